@@ -1,0 +1,3 @@
+"""draftlab: speculative decoding with parallel drafters on Ray."""
+
+__version__ = "0.1.0"

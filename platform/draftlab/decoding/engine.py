@@ -1,0 +1,215 @@
+"""Draft -> verify -> accept, with KV caches for target and drafter and rollback.
+
+Invariants between rounds (n = committed tokens so far, prompt included):
+  * the target cache holds tokens 0..n-2; token n-1 (the last bonus, `root`) is not in it;
+  * the drafter has `pending` entries (token x_t, target hidden h_{t-1}) not yet committed.
+A round: the drafter commits `pending` and drafts; the target verifies root + drafts in one
+forward (4D tree mask, position = n-1 + depth); the walk accepts a path; the target cache
+keeps root + accepted rows; the accepted tokens and the bonus become the next `pending`.
+
+Greedy output equals target-only greedy decoding token for token; sampled output has the
+target's distribution (see `acceptance.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftlab.config import SamplingParams
+from draftlab.decoding.acceptance import greedy_walk, process_logits, sample, sampled_walk
+from draftlab.decoding.cache import keep_rows
+from draftlab.decoding.stopping import Stopper
+from draftlab.decoding.tree import Tree
+from draftlab.models.drafters.network import DrafterNet
+from draftlab.models.target import Target
+
+
+@dataclass
+class DecodeStats:
+    new_tokens: int = 0
+    rounds: int = 0  # target forwards after the prefill
+    drafted: int = 0  # draft tokens verified (tree: nodes)
+    accepted: int = 0  # draft tokens accepted
+    accepted_at: list[int] = field(default_factory=list)  # rounds accepting >= j+1 drafts
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward, bonus included (1.0 for target-only)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 1.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.rounds for a in self.accepted_at] if self.rounds else []
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    def record(self, drafted: int, accepted: int, depth: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accepted_at) < depth:
+            self.accepted_at += [0] * (depth - len(self.accepted_at))
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "tau": self.tau,
+            "per_position_acceptance": self.per_position_acceptance,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "total_s": self.total_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stats: DecodeStats
+
+
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Next token from (V,) target logits: argmax, or a sample of the processed distribution."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(process_logits(logits, params.temperature, params.top_p), gen)
+
+
+def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, stats: DecodeStats):
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    t0 = time.perf_counter()
+    ids = torch.tensor(prompt, device=target.device)
+    cache = target.new_cache()
+    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache)
+    first = _choose(logits[-1], params, gen)
+    stats.prefill_s = time.perf_counter() - t0
+    return cache, hidden, first
+
+
+def _finish(stopper: Stopper, stats: DecodeStats, t_start: float) -> GenerationResult:
+    stats.total_s = time.perf_counter() - t_start
+    stats.new_tokens = len(stopper.tokens)
+    return GenerationResult(stopper.tokens, stopper.text, stopper.finish_reason or "length", stats)
+
+
+@torch.inference_mode()
+def autoregressive_generate(target: Target, prompt: list[int], params: SamplingParams) -> GenerationResult:
+    """Target-only decoding with a KV cache: the reference every speedup is measured against."""
+    t_start = time.perf_counter()
+    stats, gen = DecodeStats(), _generator(params, target.device)
+    stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
+    cache, _, tok = _prefill(target, prompt, params, gen, stats)
+    pos = len(prompt)
+    while not stopper.feed([tok]):
+        t0 = time.perf_counter()
+        logits, _ = target.forward(torch.tensor([tok], device=target.device), torch.tensor([pos], device=target.device), cache)
+        tok = _choose(logits[-1], params, gen)
+        pos += 1
+        stats.verify_s += time.perf_counter() - t0
+        stats.record(drafted=0, accepted=0, depth=0)
+    return _finish(stopper, stats, t_start)
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of one request at a time with a drafter and a static tree.
+
+    `tree` = `Tree.chain(k)` for chain verification (drafts are *sampled* from the drafter
+    when sampling), any other tree for top-k tree verification (deterministic drafts).
+    """
+
+    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree):
+        drafter.check_k(tree.depth)
+        self.target, self.drafter, self.tree = target, drafter, tree
+        dev = target.device
+        self._depths = tree.depths.to(dev)  # (N+1,)
+        # Tree columns of the additive verify mask: 0 where a node sees an ancestor/itself.
+        neg = torch.finfo(target.dtype).min
+        self._tree_mask = torch.zeros(tree.num_nodes + 1, tree.num_nodes + 1, dtype=target.dtype, device=dev)
+        self._tree_mask.masked_fill_(~tree.ancestor_mask.to(dev), neg)  # (N+1, N+1)
+
+    def _verify_mask(self, ctx: int) -> torch.Tensor | None:
+        if self.tree.is_chain:
+            return None  # a chain's ancestor mask is the causal mask: use the fast path
+        n = self.tree.num_nodes + 1
+        ctx_cols = torch.zeros(n, ctx, dtype=self._tree_mask.dtype, device=self._tree_mask.device)
+        return torch.cat([ctx_cols, self._tree_mask], dim=1)  # (N+1, ctx + N+1)
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
+        target, drafter, tree = self.target, self.drafter, self.tree
+        dev, k = target.device, tree.depth
+        sample_drafts = tree.is_chain and not params.greedy
+        t_start = time.perf_counter()
+        stats, gen = DecodeStats(), _generator(params, dev)
+        stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
+        cache, hidden, root = _prefill(target, prompt, params, gen, stats)
+        state = drafter.new_state()
+        ctx = len(prompt)  # target cache length (the root is not in it)
+        # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
+        pend_tok = torch.tensor(prompt[1:] + [root], device=dev)
+        pend_hid = hidden
+
+        def pick(j: int, logits: torch.Tensor) -> int:
+            if not sample_drafts:
+                return int(logits.argmax())
+            return sample(process_logits(logits, params.temperature, params.top_p), gen)
+
+        done = stopper.feed([root])
+        while not done:
+            t0 = time.perf_counter()
+            drafts, dlogits = drafter.propose(state, pend_tok, pend_hid, k, pick)  # (k,), (k, V)
+            if tree.is_chain:
+                nodes = torch.cat([torch.tensor([root], device=dev), drafts])  # (k+1,)
+            else:
+                nodes = tree.node_tokens(root, dlogits)  # (N+1,)
+            t1 = time.perf_counter()
+            logits, hid = target.forward(nodes, ctx + self._depths, cache, self._verify_mask(ctx))
+            node_list = nodes.tolist()
+            if params.greedy:
+                accepted, bonus = greedy_walk(tree, node_list, logits)
+            else:
+                probs = process_logits(logits, params.temperature, params.top_p)  # (N+1, V)
+                q = process_logits(dlogits, params.temperature, params.top_p) if sample_drafts else None
+                accepted, bonus = sampled_walk(tree, node_list, probs, q, gen)
+            keep = [0] + accepted
+            keep_rows(cache, ctx, keep)
+            t2 = time.perf_counter()
+            ctx += len(keep)
+            new = [node_list[i] for i in accepted] + [bonus]
+            pend_tok = torch.tensor(new, device=dev)
+            pend_hid = hid[keep]  # (m+1, H): the state that produced each new token
+            root = bonus
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.record(drafted=tree.num_nodes, accepted=len(accepted), depth=k)
+            done = stopper.feed(new)
+        return _finish(stopper, stats, t_start)

@@ -1,0 +1,143 @@
+"""Static verification trees as Medusa-style rank paths, and their buffers.
+
+A parallel drafter gives one distribution per future position, not conditioned on the path,
+so a tree node is a *rank path*: `[0, 1]` = top-1 token at position 1, then top-2 at
+position 2. A chain of k drafts is `[[0], [0, 0], ..., [0]*k]`.
+
+Buffers are built once per tree. Node 0 is the root (the last committed token); nodes 1..N
+follow the paths sorted by (depth, lexicographic), so parents precede children.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+PRESET_DIR = Path(__file__).parent / "trees"
+
+
+class TreeError(ValueError):
+    """A tree definition is malformed; the message says which path and why."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    paths: tuple[tuple[int, ...], ...]  # sorted by (len, lex); excludes the root
+    name: str = "custom"
+
+    @classmethod
+    def from_paths(cls, paths, name: str = "custom", max_depth: int | None = None) -> Tree:
+        """Validate: non-empty int paths, no duplicates, prefix-closed, depth <= max_depth."""
+        if not isinstance(paths, list | tuple) or not paths:
+            raise TreeError(f"tree {name!r}: expected a non-empty list of rank paths like [[0], [1], [0, 0]]")
+        clean: list[tuple[int, ...]] = []
+        for p in paths:
+            if not isinstance(p, list | tuple) or not p:
+                raise TreeError(f"tree {name!r}: path {p!r} must be a non-empty list of ranks")
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p):
+                raise TreeError(f"tree {name!r}: path {list(p)} must hold non-negative integer ranks")
+            clean.append(tuple(p))
+        seen = set()
+        for p in clean:
+            if p in seen:
+                raise TreeError(f"tree {name!r}: duplicate path {list(p)}")
+            seen.add(p)
+        for p in clean:
+            if len(p) > 1 and p[:-1] not in seen:
+                raise TreeError(f"tree {name!r}: path {list(p)} has no parent {list(p[:-1])} (trees must be prefix-closed)")
+        if max_depth is not None and max(len(p) for p in clean) > max_depth:
+            deepest = max(clean, key=len)
+            raise TreeError(f"tree {name!r}: path {list(deepest)} has depth {len(deepest)} > k={max_depth}")
+        return cls(tuple(sorted(clean, key=lambda p: (len(p), p))), name)
+
+    @classmethod
+    def chain(cls, k: int) -> Tree:
+        return cls.from_paths([[0] * d for d in range(1, k + 1)], name=f"chain-{k}")
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        """Drafted nodes (the verify forward has num_nodes + 1 rows with the root)."""
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    @property
+    def max_rank(self) -> int:
+        return max(max(p) for p in self.paths)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(all(r == 0 for r in p) for p in self.paths)
+
+    # -- buffers (built once, cached) --------------------------------------------------
+    @cached_property
+    def parents(self) -> list[int]:
+        """parents[i] for node i in 0..N (root's parent is -1)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        return [-1] + [index.get(p[:-1], 0) for p in self.paths]
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[i], in rank order (siblings are tried in this order when sampling)."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.paths, start=1):
+            kids[self.parents[i]].append(i)
+        for i in range(len(kids)):
+            kids[i].sort(key=lambda c: self.paths[c - 1][-1])
+        return kids
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """(N+1,) depth of each node; the root is 0. Position id = context length + depth."""
+        return torch.tensor([0] + [len(p) for p in self.paths])
+
+    @cached_property
+    def ranks(self) -> torch.Tensor:
+        """(N,) rank at the node's own position (index into that position's top-k list)."""
+        return torch.tensor([p[-1] for p in self.paths])
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """(N+1, N+1) bool: row i may attend to column j iff j is i or an ancestor of i."""
+        n = self.num_nodes + 1
+        m = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            m[i] |= m[self.parents[i]]
+        return m
+
+    def node_tokens(self, root: int, draft_logits: torch.Tensor) -> torch.Tensor:
+        """(N+1,) verify-input ids: root, then each node's ranked token from (k, V) logits."""
+        topk = draft_logits[: self.depth].topk(self.max_rank + 1, dim=-1).indices  # (depth, R)
+        nodes = topk[self.depths[1:] - 1, self.ranks]  # (N,)
+        return torch.cat([torch.tensor([root], device=nodes.device), nodes])
+
+    def to_json(self) -> str:
+        return json.dumps([list(p) for p in self.paths])
+
+
+def available_trees() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json")) + ["chain-<k>"]
+
+
+def load_tree(spec: str, k: int | None = None) -> Tree:
+    """A preset name, `chain-<k>`, or a JSON file holding a list of rank paths."""
+    if spec.startswith("chain-") and spec[6:].isdigit():
+        tree = Tree.chain(int(spec[6:]))
+        return Tree.from_paths([list(p) for p in tree.paths], spec, max_depth=k)
+    path = PRESET_DIR / f"{spec}.json" if (PRESET_DIR / f"{spec}.json").is_file() else Path(spec)
+    if not path.is_file():
+        raise TreeError(f"unknown tree {spec!r}: not a preset ({available_trees()}) nor a JSON file")
+    try:
+        paths = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TreeError(f"tree file {path}: not valid JSON ({e})") from None
+    if isinstance(paths, dict):  # {"paths": [...]} as written by the tree search
+        paths = paths.get("paths")
+    return Tree.from_paths(paths, name=path.stem if path.parent == PRESET_DIR else str(path), max_depth=k)

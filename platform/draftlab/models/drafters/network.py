@@ -1,0 +1,206 @@
+"""The network shared by every drafter family, plus save/load.
+
+EAGLE-style input: the entry for token x_t pairs its (frozen, target) embedding with the
+target's last hidden state h_{t-1} (the state that produced x_t), fused by `fc`, and sits at
+position t. `depth` stock HF Llama decoder layers follow; the target's frozen LM head turns
+the result into logits. The target's embedding and head are *referenced*, never saved.
+
+A family (one file each, see the registry) only decides how one drafting round uses it:
+`propose(state, tokens, hidden, k, pick) -> (draft_tokens (k,), logits (k, V))`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from draftlab.models.target import Target
+
+Pick = Callable[[int, torch.Tensor], int]  # (draft position j, logits (V,)) -> token id
+
+
+class DrafterConfig(BaseModel):
+    """Saved as `config.json` next to `model.safetensors`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: str
+    """Registered family name (`parallel`, `autoregressive`, ...)."""
+    k: int
+    """Draft tokens per round the drafter was built/trained for (parallel: k-1 masks)."""
+    depth: int
+    """Number of decoder layers."""
+    target_name: str
+    """Name of the target it was built for."""
+    target_fingerprint: str
+    """`weights_fingerprint` of that target; loading against other weights fails."""
+    decoder: dict
+    """LlamaConfig kwargs of the decoder stack (hidden size etc. follow the target)."""
+
+
+@dataclass
+class DraftState:
+    """Per-request drafter state: its KV cache and the position of the next entry."""
+
+    cache: DynamicCache
+    pos: int
+
+
+def _decoder_config(target: Target, depth: int) -> dict:
+    tc = target.model.config
+    heads = tc.num_attention_heads
+    return dict(
+        hidden_size=tc.hidden_size,
+        intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
+        num_hidden_layers=depth,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        # The decoder never embeds ids (we pass inputs_embeds); a 1-row table keeps HF happy.
+        vocab_size=1,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+class DrafterNet(nn.Module):
+    family: str = "?"  # set by @register_drafter
+
+    def __init__(self, cfg: DrafterConfig, target: Target):
+        super().__init__()
+        self.cfg = cfg
+        hidden = cfg.decoder["hidden_size"]
+        # Frozen target modules kept outside the module tree: not saved, not trained,
+        # not wrapped by DDP. Stored in a tuple so nn.Module does not register them.
+        self._target_io = (target.embed, target.lm_head)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.decoder = LlamaModel(LlamaConfig(**cfg.decoder))
+        self.decoder.embed_tokens = None  # unused: inputs are fused embeddings
+        self.to(device=target.device, dtype=target.dtype)
+
+    # -- building blocks -------------------------------------------------------------
+    def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids + (n, H) target hidden states -> (n, H) decoder inputs."""
+        emb = self._target_io[0](tokens)  # (n, H)
+        return self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))  # (n, 2H) -> (n, H)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, H) fused inputs
+        position_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, 1, T, ctx+T) additive, or None = causal
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """Decoder hidden states (B, T, H), after the drafter's final norm."""
+        out = self.decoder(
+            inputs_embeds=x,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        return out.last_hidden_state
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._target_io[1](h).float()  # (..., H) -> (..., V)
+
+    def step(self, state: DraftState, x: torch.Tensor) -> torch.Tensor:
+        """Append (n, H) inputs at the next positions of `state`; return (n, H) outputs."""
+        n = x.shape[0]
+        pos = torch.arange(state.pos, state.pos + n, device=x.device)[None]  # (1, n)
+        h = self(x[None], pos, cache=state.cache)[0]  # (n, H)
+        state.pos += n
+        return h
+
+    # -- per-request API ---------------------------------------------------------------
+    def new_state(self, first_position: int = 1) -> DraftState:
+        """Entries start at position 1: token x_0 has no preceding hidden state."""
+        return DraftState(DynamicCache(config=self.decoder.config), first_position)
+
+    def propose(
+        self, state: DraftState, tokens: torch.Tensor, hidden: torch.Tensor, k: int, pick: Pick
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit the new entries (tokens (n,), hidden (n, H)) and draft k tokens.
+
+        Returns (draft tokens (k,), draft logits (k, V)). Row j is the distribution for the
+        (j+1)-th token after `tokens[-1]`. The cache keeps only the committed entries.
+        """
+        raise NotImplementedError
+
+    def check_k(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+
+    # -- persistence ---------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in self.state_dict().items()}
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(self.cfg.model_dump(), indent=2) + "\n")
+        return path
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_drafter(family: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0) -> DrafterNet:
+    """A freshly initialised (untrained) drafter of `family` for `target`."""
+    from draftlab.models.drafters.registry import drafter_class
+
+    cls = drafter_class(family)
+    if k < 1 or depth < 1:
+        raise ValueError(f"k and depth must be >= 1 (got k={k}, depth={depth})")
+    cfg = DrafterConfig(
+        family=family,
+        k=k,
+        depth=depth,
+        target_name=target.name,
+        target_fingerprint=target.fingerprint,
+        decoder=_decoder_config(target, depth),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cls(cfg, target).eval()
+
+
+def load_drafter(path: str | Path, target: Target) -> DrafterNet:
+    """Load a saved drafter; fails clearly if it was built for another target."""
+    from draftlab.models.drafters.registry import drafter_class
+
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter directory (needs config.json and model.safetensors)")
+    cfg = DrafterConfig.model_validate_json(cfg_file.read_text())
+    if cfg.target_fingerprint != target.fingerprint:
+        raise ValueError(
+            f"drafter {path} was built for target {cfg.target_name!r} (fingerprint "
+            f"{cfg.target_fingerprint}), but the loaded target is {target.name!r} (fingerprint "
+            f"{target.fingerprint}). Load it with its own target or train a new drafter."
+        )
+    model = drafter_class(cfg.family)(cfg, target)
+    state = load_file(str(weights), device=str(target.device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights}: weights do not match the config (missing={missing}, unexpected={unexpected})")
+    return model.to(target.dtype).eval()
+
+
+def resolve_drafter(spec: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0) -> DrafterNet:
+    """`init:<family>` builds an untrained drafter; anything else is a saved drafter dir."""
+    if spec.startswith("init:"):
+        return init_drafter(spec.removeprefix("init:"), target, k=k, depth=depth, seed=seed)
+    return load_drafter(spec, target)

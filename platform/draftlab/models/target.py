@@ -1,0 +1,162 @@
+"""The frozen target LM: one forward gives logits *and* last hidden states for the drafter.
+
+Composes with any HF causal LM (`get_decoder()` + `get_output_embeddings()`); no model
+file is forked. All calls use batch size 1 and a transformers `DynamicCache`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from draftlab.config import TargetSpec
+
+
+@dataclass
+class Target:
+    name: str
+    model: PreTrainedModel
+    tokenizer: object
+    fingerprint: str
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,  # (T,) new tokens
+        positions: torch.Tensor,  # (T,) absolute positions
+        cache: DynamicCache,
+        mask: torch.Tensor | None = None,  # (T, ctx + T) additive, or None = causal
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `ids` to `cache`; return logits (T, V) float32 and hidden (T, H)."""
+        out = self.model.get_decoder()(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            past_key_values=cache,
+            attention_mask=None if mask is None else mask[None, None],  # (1, 1, T, ctx+T)
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[0]  # (T, H), after the final norm
+        return self.lm_head(hidden).float(), hidden
+
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids for `text`; wrapped in the chat template as a user turn when one exists."""
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
+                ids = ids["input_ids"]
+            return list(ids)
+        return tok(text, add_special_tokens=True)["input_ids"]
+
+
+def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 4096) -> str:
+    """A cheap, stable digest of the weights: names, shapes and a strided sample of values.
+
+    Hashing all bytes of a multi-GB model takes minutes; a strided sample of every tensor
+    still changes when any checkpoint is swapped, which is what the drafter check needs.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        sample = flat[::step][:samples_per_tensor].to("cpu", torch.float32)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_target(spec: TargetSpec | str) -> Target:
+    """Load a frozen target from a preset name, hub id, local directory or GGUF file."""
+    from draftlab.models.presets import PRESETS, available_presets
+
+    spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    name = spec.name
+    if name in PRESETS:
+        model, tokenizer = PRESETS[name](dtype)
+    else:
+        path = Path(name).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {path}")
+            kw = dict(gguf_file=path.name, trust_remote_code=spec.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kw)
+        else:
+            looks_local = path.exists() or name.startswith((".", "/", "~"))
+            if looks_local and not (path / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"target {name!r}: {path} is not an HF model directory (no config.json). "
+                    f"Presets: {available_presets()}"
+                )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=spec.trust_remote_code)
+                model = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=dtype, trust_remote_code=spec.trust_remote_code
+                )
+            except OSError as e:
+                raise OSError(
+                    f"could not load target {name!r} (not a preset, local dir or reachable hub id). "
+                    f"Presets: {available_presets()}. Cause: {e}"
+                ) from None
+    model = freeze(model.to(device=device, dtype=dtype))
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    return Target(name, model, tokenizer, weights_fingerprint(model), eos_ids)
