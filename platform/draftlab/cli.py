@@ -1,0 +1,100 @@
+"""`draftlab` command line: parsing and validation only; the library does the work.
+
+    draftlab bench   --target smollm2-135m --drafter init:parallel --json bench.json
+    draftlab profile --target smollm2-135m --json profile.json
+
+Bad input exits with status 2 and one clear message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pydantic import ValidationError
+
+from draftlab.config import BenchConfig, ConfigError, ProfileConfig, TargetSpec, format_validation_error
+
+METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="preset, hub id, local HF dir or .gguf file")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
+
+
+def _target(a: argparse.Namespace) -> TargetSpec:
+    return TargetSpec(name=a.target, device=a.device, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftlab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="speed of target-only vs speculative decoding, side by side")
+    _target_args(b)
+    b.add_argument("--drafter", default="init:parallel", help="saved drafter dir, or init:parallel / init:autoregressive")
+    b.add_argument("--prompts", default=None, help="JSONL prompts ({'prompt'} or Spec-Bench {'turns'}); default: packaged set")
+    b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--k", type=int, default=4, help="draft length of the chain method")
+    b.add_argument("--depth", type=int, default=1, help="decoder layers of an init: drafter")
+    b.add_argument("--tree", default="default", help="tree preset, chain-<k>, or JSON file of rank paths")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
+    b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
+    b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+
+    p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
+    _target_args(p)
+    p.add_argument("--context", type=int, default=256, help="cached context length")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+    return parser
+
+
+def _bench(a: argparse.Namespace) -> None:
+    from draftlab.bench import render_table, run_bench
+
+    cfg = BenchConfig(
+        target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
+        k=a.k, depth=a.depth, tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+        warmup=a.warmup, methods=[m.strip() for m in a.methods.split(",") if m.strip()], json_out=a.json_out,
+    )
+    report = run_bench(cfg)
+    print(render_table(report))
+    if cfg.json_out:
+        print(f"wrote {cfg.json_out}")
+
+
+def _profile(a: argparse.Namespace) -> None:
+    from draftlab.profiling import run_profile
+
+    cfg = ProfileConfig(target=_target(a), context=a.context, repeats=a.repeats, json_out=a.json_out)
+    print(json.dumps(run_profile(cfg), indent=2))
+
+
+COMMANDS = {"bench": _bench, "profile": _profile}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except ValidationError as e:
+        print(f"draftlab {args.command}: " + format_validation_error(e, "command-line options"), file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError, KeyError, FileNotFoundError, OSError, NotImplementedError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"draftlab {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

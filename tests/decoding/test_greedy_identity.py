@@ -1,0 +1,92 @@
+"""Greedy speculative output must equal target-only greedy output, token for token."""
+
+import dataclasses
+
+import pytest
+from oracle import OracleDrafter
+
+from draftlab.config import SamplingParams
+from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from draftlab.decoding.tree import Tree, load_tree
+from draftlab.models.drafters import init_drafter
+
+TREES = [Tree.chain(1), Tree.chain(4), load_tree("small-6"), load_tree("default"), load_tree("wide-16")]
+GREEDY = SamplingParams(max_new_tokens=40)
+
+
+@pytest.mark.parametrize("family", ["parallel", "autoregressive"])
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t.name)
+def test_untrained_drafter_identity(tiny, tiny_prompts, family, tree):
+    drafter = init_drafter(family, tiny, k=4, depth=2, seed=1)
+    dec = SpeculativeDecoder(tiny, drafter, tree)
+    for ids in tiny_prompts:
+        ref = autoregressive_generate(tiny, ids, GREEDY)
+        out = dec.generate(ids, GREEDY)
+        assert out.tokens == ref.tokens and out.text == ref.text
+        assert out.finish_reason == ref.finish_reason
+        assert out.stats.rounds >= 1 or len(ref.tokens) == 1
+
+
+@pytest.mark.parametrize(
+    "tree,ranks,tau_min",
+    [
+        (Tree.chain(4), None, 4.0),
+        (load_tree("default"), [1, 0, 0, 0], 2.5),  # accepted path [1, 0]: gathered KV rows
+        (load_tree("wide-16"), [0, 1, 0, 0], 3.5),  # accepted path [0, 1, 0]
+        (load_tree("default"), [0, 0, 1, 0], 3.5),  # accepted path [0, 0, 1]
+    ],
+    ids=["chain", "rank1-first", "rank1-second", "rank1-third"],
+)
+def test_oracle_drafter_all_accepted(tiny, tiny_prompts, tree, ranks, tau_min):
+    for ids in tiny_prompts:
+        ref = autoregressive_generate(tiny, ids, GREEDY)
+        out = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids, ranks), tree).generate(ids, GREEDY)
+        assert out.tokens == ref.tokens
+        if len(ref.tokens) > 12:
+            assert out.stats.tau >= tau_min
+
+
+def test_partial_acceptance_oracle(tiny, tiny_prompts):
+    ids = tiny_prompts[1]
+    ref = autoregressive_generate(tiny, ids, GREEDY)
+    out = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids, wrong_after=2), Tree.chain(4)).generate(ids, GREEDY)
+    assert out.tokens == ref.tokens
+    assert out.stats.per_position_acceptance[:2] == [1.0, 1.0]
+    assert out.stats.per_position_acceptance[2:] == [0.0, 0.0]
+    assert out.stats.tau == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default")], ids=lambda t: t.name)
+def test_eos_inside_accepted_draft(tiny, tiny_prompts, tree):
+    ids = tiny_prompts[0]
+    free = autoregressive_generate(tiny, ids, GREEDY).tokens
+    # Declare the token at output position 6 an EOS token: it falls inside the second round
+    # of an all-accepting k=4 drafter (1 prefill token, then 5 per round).
+    eos = free[6]
+    assert eos not in free[:6]
+    target = dataclasses.replace(tiny, eos_token_ids=frozenset([eos]))
+    ref = autoregressive_generate(target, ids, GREEDY)
+    out = SpeculativeDecoder(target, OracleDrafter(target, ids), tree).generate(ids, GREEDY)
+    assert ref.tokens == free[:7] and ref.finish_reason == "stop"
+    assert out.tokens == ref.tokens and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 4, 8, 13])
+def test_max_new_tokens_cuts_a_draft(tiny, tiny_prompts, max_new):
+    ids = tiny_prompts[3]
+    params = SamplingParams(max_new_tokens=max_new)
+    ref = autoregressive_generate(tiny, ids, params)
+    out = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids), Tree.chain(4)).generate(ids, params)
+    assert out.tokens == ref.tokens and len(out.tokens) == max_new
+    assert out.finish_reason == "length"
+
+
+def test_stop_string(tiny, tiny_prompts):
+    ids = tiny_prompts[0]
+    free = autoregressive_generate(tiny, ids, GREEDY)
+    stop = free.text[8:10]
+    params = SamplingParams(max_new_tokens=40, stop=[stop])
+    ref = autoregressive_generate(tiny, ids, params)
+    out = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids), Tree.chain(4)).generate(ids, params)
+    assert out.tokens == ref.tokens and out.text == ref.text == free.text[: free.text.find(stop)]
+    assert out.finish_reason == "stop"

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+import torch
+
+from draftlab.decoding.tree import Tree, TreeError, available_trees, load_tree
+
+
+def test_sorted_buffers():
+    t = Tree.from_paths([[0, 0], [1], [0], [0, 1], [1, 0], [0, 0, 0]])
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert t.parents == [-1, 0, 0, 1, 1, 2, 3]
+    assert t.children[0] == [1, 2] and t.children[1] == [3, 4]
+    assert t.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    m = t.ancestor_mask
+    assert m[6].nonzero().flatten().tolist() == [0, 1, 3, 6]  # root, [0], [0,0], self
+    assert m[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert not m[1, 2] and m.diagonal().all()
+
+
+def test_node_tokens_follow_ranks():
+    t = Tree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [3.0, 0.0, 0.0, 9.0], [7.0, 0.0, 0.0, 0.0]])
+    # position 1 ranks: 1, 2; position 2: 3; position 3: 0
+    assert t.node_tokens(42, logits).tolist() == [42, 1, 2, 3, 3, 0]
+
+
+def test_chain():
+    c = Tree.chain(3)
+    assert c.is_chain and c.depth == 3 and c.num_nodes == 3
+    assert load_tree("chain-3") == c.__class__(c.paths, "chain-3")
+
+
+@pytest.mark.parametrize(
+    "paths,msg",
+    [
+        ([], "non-empty list"),
+        ([[0], [0]], "duplicate path"),
+        ([[0], [1, 0]], r"has no parent \[1\]"),
+        ([[0], []], "non-empty list of ranks"),
+        ([[0], [-1]], "non-negative integer"),
+        ([[0], ["a"]], "non-negative integer"),
+        ("[[0]]", "non-empty list"),
+    ],
+)
+def test_invalid_trees(paths, msg):
+    with pytest.raises(TreeError, match=msg):
+        Tree.from_paths(paths)
+
+
+def test_depth_limit():
+    with pytest.raises(TreeError, match="depth 3 > k=2"):
+        Tree.from_paths([[0], [0, 0], [0, 0, 0]], max_depth=2)
+    with pytest.raises(TreeError, match="depth 4 > k=3"):
+        load_tree("default", k=3)
+
+
+def test_presets_and_files(tmp_path):
+    for name in available_trees():
+        if name != "chain-<k>":
+            assert load_tree(name).num_nodes > 0
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"paths": [[0], [1], [0, 0]]}))
+    assert load_tree(str(f)).num_nodes == 3
+    f.write_text("[[0], [1, 0]")
+    with pytest.raises(TreeError, match="not valid JSON"):
+        load_tree(str(f))
+    f.write_text("[[0], [2, 0]]")
+    with pytest.raises(TreeError, match="prefix-closed"):
+        load_tree(str(f))
+    with pytest.raises(TreeError, match="unknown tree 'nope'"):
+        load_tree("nope")

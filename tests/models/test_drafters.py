@@ -1,0 +1,86 @@
+import json
+
+import pytest
+import torch
+
+from draftlab.models.drafters import available_drafters, init_drafter, load_drafter, resolve_drafter
+from draftlab.models.target import load_target
+
+
+def greedy_pick(j, logits):
+    return int(logits.argmax())
+
+
+def test_registry_lists_families():
+    assert available_drafters() == ["autoregressive", "parallel"]
+    with pytest.raises(KeyError, match=r"unknown drafter family 'medusa'; available: \['autoregressive', 'parallel'\]"):
+        init_drafter("medusa", load_target("tiny-llama"))
+
+
+@pytest.mark.parametrize("family", ["parallel", "autoregressive"])
+def test_propose_shapes_and_cache_rollback(tiny, family):
+    d = init_drafter(family, tiny, k=4, depth=2)
+    state = d.new_state()
+    n = 5
+    toks = torch.randint(0, tiny.vocab_size, (n,))
+    hid = torch.randn(n, tiny.hidden_size)
+    drafts, logits = d.propose(state, toks, hid, 4, greedy_pick)
+    assert drafts.shape == (4,) and logits.shape == (4, tiny.vocab_size)
+    assert torch.equal(drafts, logits.argmax(-1))
+    # Only the committed entries stay in the drafter cache: masks / drafts are dropped.
+    assert state.cache.get_seq_length() == n and state.pos == 1 + n
+
+
+def test_parallel_one_pass_equals_stepwise_masks(tiny):
+    """The k-1 masks see the context causally: drafting with k masks in one pass gives the
+    same per-position logits as k separate passes over context + j masks."""
+    d = init_drafter("parallel", tiny, k=4, depth=1, seed=3)
+    toks = torch.randint(0, tiny.vocab_size, (6,))
+    hid = torch.randn(6, tiny.hidden_size)
+    _, one_pass = d.propose(d.new_state(), toks, hid, 4, greedy_pick)
+    for k in range(1, 5):
+        _, lk = d.propose(d.new_state(), toks, hid, k, greedy_pick)
+        torch.testing.assert_close(lk, one_pass[:k], atol=1e-5, rtol=1e-5)
+
+
+def test_parallel_k_above_trained_fails(tiny):
+    d = init_drafter("parallel", tiny, k=3)
+    with pytest.raises(ValueError, match="k <= 3"):
+        d.propose(d.new_state(), torch.tensor([1]), torch.zeros(1, tiny.hidden_size), 4, greedy_pick)
+
+
+@pytest.mark.parametrize("family", ["parallel", "autoregressive"])
+def test_save_load_round_trip(tmp_path, tiny, family):
+    d = init_drafter(family, tiny, k=4, depth=2, seed=7)
+    d.save(tmp_path / "drafter")
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert cfg["target_fingerprint"] == tiny.fingerprint and cfg["family"] == family
+    loaded = load_drafter(tmp_path / "drafter", tiny)
+    for (n1, p1), (n2, p2) in zip(d.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
+    toks, hid = torch.tensor([3, 4, 5]), torch.randn(3, tiny.hidden_size)
+    _, a = d.propose(d.new_state(), toks, hid, 3, greedy_pick)
+    _, b = loaded.propose(loaded.new_state(), toks, hid, 3, greedy_pick)
+    torch.testing.assert_close(a, b)
+    # The target's embedding and head are referenced, never saved.
+    assert not any("embed_tokens" in k or "lm_head" in k for k in d.state_dict())
+
+
+def test_load_against_wrong_target_fails(tmp_path, tiny):
+    init_drafter("parallel", tiny).save(tmp_path / "d")
+    with pytest.raises(ValueError, match=r"built for target 'tiny-llama'.*loaded target is 'tiny-llama-v8'"):
+        load_drafter(tmp_path / "d", load_target("tiny-llama-v8"))
+
+
+def test_load_missing_or_corrupt_dir_fails(tmp_path, tiny):
+    with pytest.raises(FileNotFoundError, match="not a drafter directory"):
+        resolve_drafter(str(tmp_path), tiny)
+    d = init_drafter("parallel", tiny, depth=1)
+    d.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg["depth"] = 2
+    cfg["decoder"]["num_hidden_layers"] = 2
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="weights do not match the config"):
+        load_drafter(tmp_path / "d", tiny)

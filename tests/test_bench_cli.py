@@ -1,0 +1,100 @@
+"""`draftlab bench` / `draftlab profile` through the real CLI entry point on a tiny target."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from draftlab.cli import main
+
+METHODS = {"ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"}
+
+
+def check_contract(report: dict, prompts: int, max_new: int) -> None:
+    assert isinstance(report["target"], str)
+    assert report["drafter"] is None or isinstance(report["drafter"], str)
+    assert isinstance(report["device"], str)
+    assert report["prompts"] == prompts and report["max_new_tokens"] == max_new
+    assert isinstance(report["greedy_identical"], bool)
+    assert set(report["methods"]) == METHODS
+    for name, m in report["methods"].items():
+        for key in ("tokens_per_s", "tau", "speedup_vs_ar"):
+            assert isinstance(m[key], float), (name, key)
+        assert m["tokens_per_s"] > 0 and m["tau"] >= 1.0
+        assert m["by_category"], name
+        for cat in m["by_category"].values():
+            assert isinstance(cat["tokens_per_s"], float) and isinstance(cat["tau"], float)
+    assert report["methods"]["ar"]["speedup_vs_ar"] == 1.0
+    assert report["methods"]["ar"]["tau"] == 1.0
+
+
+def test_bench_writes_contract_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--target", "tiny-llama", "--drafter", "init:parallel", "--limit", "3",
+               "--max-new-tokens", "24", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    check_contract(report, prompts=3, max_new=24)
+    assert report["greedy_identical"] is True
+    assert report["hf_generate_matches_ar"] is True
+    assert set(report["methods"]["ar"]["by_category"]) == {"writing", "roleplay", "reasoning"}
+    assert "draftlab_tree" in capsys.readouterr().out
+
+
+def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):
+    from draftlab.models.drafters import init_drafter
+
+    init_drafter("autoregressive", tiny, k=3, depth=1).save(tmp_path / "drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"question_id": 1, "category": "math", "turns": ["2+2?", "and 3+3?"]}) + "\n"
+        + json.dumps({"prompt": "plain prompt"}) + "\n"
+    )
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+               "--max-new-tokens", "12", "--k", "3", "--tree", "small-6", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    check_contract(report, prompts=2, max_new=12)
+    assert set(report["methods"]["draftlab_chain"]["by_category"]) == {"math", "default"}
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--tree", "nope"], "unknown tree 'nope'"),
+        (["--drafter", "init:medusa"], "unknown drafter family 'medusa'"),
+        (["--k", "0"], "k: Input should be greater than or equal to 1"),
+        (["--prompts", "/no/such.jsonl"], "prompt file not found"),
+        (["--methods", "ar,fast"], "methods.1"),
+        (["--target", "/no/such/dir"], "not an HF model directory"),
+    ],
+)
+def test_bench_bad_input_is_a_clear_error(args, msg, capsys):
+    rc = main(["bench", "--target", "tiny-llama", "--limit", "1", "--max-new-tokens", "4", *args])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_bad_prompt_file_names_line(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
+    assert f"{f}:2: needs a 'prompt' field" in capsys.readouterr().err
+
+
+def test_profile_json(tmp_path):
+    out = tmp_path / "profile.json"
+    # Through the installed console script, as a user runs it.
+    exe = [sys.executable, "-m", "draftlab.cli"]
+    proc = subprocess.run([*exe, "profile", "--target", "tiny-llama", "--context", "32", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report["target_forward_ms"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert set(report["drafter_ms"]) == {"parallel", "autoregressive"}
+    assert set(report["drafter_ms"]["parallel"]) == {"1", "2", "3", "4"}
+    assert set(report["drafter_ms"]["autoregressive"]["4"]) == {str(k) for k in range(1, 9)}
+    assert all(v > 0 for v in report["target_forward_ms"].values())
