@@ -14,7 +14,13 @@ import sys
 
 from pydantic import ValidationError
 
-from draftlab.config import BenchConfig, ConfigError, ProfileConfig, TargetSpec, format_validation_error
+from draftlab.config import (
+    BenchConfig,
+    ConfigError,
+    ProfileConfig,
+    TargetSpec,
+    format_validation_error,
+)
 
 METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
 

@@ -70,7 +70,7 @@ def profile_drafters(target: Target, context: int, depths: list[int], ks: list[i
         row = {}
         for k in ks:
 
-            def step(k=k):
+            def step(k=k, drafter=drafter, state=state):
                 drafter.propose(state, tok, hid, k, lambda j, lg: int(lg.argmax()))
                 state.cache.crop(-1)  # undo the committed entry: keep the context fixed
                 state.pos -= 1

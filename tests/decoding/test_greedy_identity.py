@@ -3,12 +3,12 @@
 import dataclasses
 
 import pytest
-from oracle import OracleDrafter
 
 from draftlab.config import SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import Tree, load_tree
 from draftlab.models.drafters import init_drafter
+from oracle import OracleDrafter
 
 TREES = [Tree.chain(1), Tree.chain(4), load_tree("small-6"), load_tree("default"), load_tree("wide-16")]
 GREEDY = SamplingParams(max_new_tokens=40)

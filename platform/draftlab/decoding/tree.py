@@ -87,7 +87,7 @@ class Tree:
     def children(self) -> list[list[int]]:
         """children[i], in rank order (siblings are tried in this order when sampling)."""
         kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
-        for i, p in enumerate(self.paths, start=1):
+        for i in range(1, self.num_nodes + 1):
             kids[self.parents[i]].append(i)
         for i in range(len(kids)):
             kids[i].sort(key=lambda c: self.paths[c - 1][-1])
