@@ -154,3 +154,197 @@ def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(path))) from None
+
+
+# --- distillation ([2/6]) ---------------------------------------------------------------
+
+
+class PromptSourceConfig(StrictModel):
+    """Where training prompts come from."""
+
+    kind: Literal["magpie", "dataset"] = "magpie"
+    """`magpie`: the target writes its own prompts from its chat template's bare user-turn
+    header (no dataset needed). `dataset`: any `datasets` source below."""
+    path: str | None = None
+    """`dataset`: a hub name (`org/name`) or a local .jsonl/.json/.parquet/.csv file or dir."""
+    subset: str | None = None
+    """`dataset`: hub configuration name, if any."""
+    split: str = "train"
+    """`dataset`: split to read."""
+    field: str | None = "prompt"
+    """`dataset`: column holding the prompt text (ignored when `conversations` is set)."""
+    conversations: str | None = None
+    """`dataset`: ShareGPT-style column (list of {from|role, value|content}); the first
+    human/user turn is the prompt."""
+    num_prompts: int = Field(512, ge=1)
+    """How many prompts to use (after dedup and filtering)."""
+    min_chars: int = Field(8, ge=1)
+    """Drop prompts shorter than this."""
+    max_prompt_tokens: int = Field(128, ge=4)
+    """Drop (dataset) or cap (magpie) prompts longer than this many target tokens."""
+    magpie_temperature: float = Field(1.0, gt=0.0)
+    """`magpie`: sampling temperature for prompt writing."""
+    magpie_top_p: float = Field(0.95, gt=0.0, le=1.0)
+    """`magpie`: nucleus mass for prompt writing."""
+    seed: int = 0
+    """Seed for magpie sampling and for the train/eval split."""
+
+
+class DataConfig(StrictModel):
+    """Self-distillation data: the target answers the prompts; cached as Arrow."""
+
+    source: PromptSourceConfig = Field(default_factory=PromptSourceConfig)
+    """Prompt source."""
+    max_new_tokens: int = Field(192, ge=1)
+    """Response length cap."""
+    temperature: float = Field(0.0, ge=0.0)
+    """0 = greedy responses (what greedy serving will see)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus mass when temperature > 0."""
+    batch_size: int = Field(16, ge=1)
+    """Prompts generated together (left-padded) per target call."""
+    shard_size: int = Field(64, ge=1)
+    """Prompts per cache shard: the unit of resume after an interruption."""
+    num_actors: int = Field(1, ge=1)
+    """Ray Data actor-pool size for generation (one target copy each)."""
+    use_gpu: bool = False
+    """One GPU per generation actor."""
+    cpus_per_actor: float = Field(1.0, gt=0.0)
+    """CPUs reserved per generation actor."""
+    store_features: bool = True
+    """Also cache the target's last hidden states (float16) so training needs no target
+    forward; False = training workers run the frozen target themselves."""
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Held-out share of samples for evaluation while training."""
+    cache_dir: str | None = None
+    """Where cached datasets live; None = `$DRAFTLAB_CACHE/data`. Must be shared storage
+    on a multi-node cluster."""
+
+
+class DrafterSpec(StrictModel):
+    """Which drafter to train."""
+
+    family: str = "parallel"
+    """Registered drafter family (`parallel`, `autoregressive`)."""
+    k: int = Field(4, ge=1, le=16)
+    """Draft tokens per round (parallel: k-1 mask embeddings, trained as k groups)."""
+    depth: int = Field(1, ge=1, le=16)
+    """Decoder layers."""
+    vocab_size: int | None = Field(None, ge=16)
+    """VocabTrim: keep only the N most frequent response tokens in the drafter's head
+    (None = the full target vocabulary)."""
+    init_from: str | None = None
+    """Start from a saved drafter directory instead of random weights."""
+
+
+class TrainConfig(StrictModel):
+    """Optimisation."""
+
+    epochs: int = Field(1, ge=1)
+    """Passes over the training split (a time budget may stop earlier)."""
+    time_budget_minutes: float | None = Field(None, gt=0.0)
+    """Stop training after this much wall-clock time (checkpointed), e.g. to compare
+    drafters under the same budget."""
+    batch_size: int = Field(4, ge=1)
+    """Sequences per step per worker."""
+    max_seq_len: int = Field(384, ge=8)
+    """Truncate prompt+response to this many tokens."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Peak AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps, then cosine decay to 10%."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip."""
+    kl_weight: float = Field(1.0, ge=0.0)
+    """Weight of KL(target || drafter) per node."""
+    ce_weight: float = Field(0.0, ge=0.0)
+    """Weight of cross-entropy on the data tokens."""
+    feature_weight: float = Field(0.0, ge=0.0)
+    """Weight of SmoothL1 between depth-0 outputs and the target's next hidden state
+    (EAGLE's feature loss; what lets an autoregressive drafter feed itself)."""
+    drop_tokens: bool = True
+    """Subsample deep groups (keep L*max(0.7^d, 0.2) anchors at depth d)."""
+    checkpoint_every: int = Field(100, ge=1)
+    """Checkpoint (and flush metrics to MLflow) every N steps, and at the end."""
+    eval_every: int = Field(200, ge=1)
+    """Evaluate on the held-out split every N steps."""
+    log_every: int = Field(10, ge=1)
+    """Record training metrics every N steps."""
+    seed: int = 0
+    """Seed for init, shuffling and drop-token sampling."""
+    torch_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads per worker (None = torch's default)."""
+
+
+class ScalingSpec(StrictModel):
+    """Ray Train resources."""
+
+    num_workers: int = Field(1, ge=1)
+    """Data-parallel workers."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL); CPU workers use gloo."""
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    """CPUs reserved per worker."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How workers are placed across nodes."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data-parallel wrapper."""
+    max_failures: int = Field(2, ge=-1)
+    """Worker failures tolerated (restart from the latest checkpoint); -1 = unlimited."""
+
+
+class TrackingSpec(StrictModel):
+    """MLflow."""
+
+    tracking_uri: str | None = None
+    """None = `MLFLOW_TRACKING_URI`, else `sqlite:///.draftlab/mlflow.db`."""
+    experiment: str = "draftlab-distill"
+    """Experiment name."""
+    register_model: bool = True
+    """Register the trained drafter as a model version."""
+    registered_model: str | None = None
+    """Registered model name; None = `draftlab-<target>-drafter`."""
+
+
+class BenchSpec(StrictModel):
+    """The real-engine benchmark run at the end of training."""
+
+    enabled: bool = True
+    """Run it (needs the target on the rank-0 worker)."""
+    prompts: str | None = None
+    """Prompt file; None = the packaged default set."""
+    limit: int | None = Field(None, ge=1)
+    """First N prompts only."""
+    max_new_tokens: int = Field(128, ge=1)
+    """New tokens per prompt."""
+    tree: str = "default"
+    """Tree for the tree method."""
+    methods: list[str] = Field(default_factory=lambda: ["ar", "draftlab_chain", "draftlab_tree"])
+    """Bench methods to run."""
+
+
+class DistillConfig(StrictModel):
+    """`draftlab distill`: one self-distillation training run."""
+
+    name: str = Field("distill", pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Run name: same name + storage = resume from the latest checkpoint."""
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    """The frozen target."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Self-distillation data."""
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)
+    """What to train."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation."""
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    """Ray Train resources."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """MLflow."""
+    bench: BenchSpec = Field(default_factory=BenchSpec)
+    """Final benchmark."""
+    storage_path: str = ".draftlab/ray"
+    """Ray Train storage (local dir, NFS, or s3://...). Shared storage for multi-node."""
+    output_dir: str | None = None
+    """Where the final drafter is written; None = `<storage_path>/<name>/drafter`."""
