@@ -7,10 +7,8 @@
 import argparse
 import sys
 
-import yaml
-
 from draftlab.bench import render_table, run_bench
-from draftlab.config import BenchConfig, ConfigError, load_yaml
+from draftlab.config import BenchConfig, ConfigError, load_yaml, parse_overrides
 
 
 def main() -> int:
@@ -19,9 +17,8 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_new_tokens=64")
     args = parser.parse_args()
     try:
-        overrides = dict(o.split("=", 1) for o in args.overrides)
-        cfg = load_yaml(BenchConfig, args.config, {k: yaml.safe_load(v) for k, v in overrides.items()})
-    except (ConfigError, ValueError) as e:
+        cfg = load_yaml(BenchConfig, args.config, parse_overrides(args.overrides))
+    except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     print(render_table(run_bench(cfg)))

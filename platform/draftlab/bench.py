@@ -22,7 +22,7 @@ from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import Tree, load_tree
 from draftlab.hardware import describe_device, sync
-from draftlab.models.drafters.network import resolve_drafter
+from draftlab.models.drafters.network import DrafterNet, resolve_drafter
 from draftlab.models.target import Target, load_target
 
 
@@ -105,13 +105,22 @@ def _summarise(runs: list[tuple[str, Run]]) -> dict:
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Run every method on the prompts and return the report (see README for the keys)."""
+    """Load the target (and drafter) named in `cfg`, run every method, return the report."""
     target = load_target(cfg.target)
+    drafter = None
+    if cfg.drafter is not None and any(m.startswith("draftlab_") for m in cfg.methods):
+        depth_needed = load_tree(cfg.tree).depth if "draftlab_tree" in cfg.methods else cfg.k
+        drafter = resolve_drafter(cfg.drafter, target, k=max(cfg.k, depth_needed), depth=cfg.depth, seed=cfg.seed)
+    return bench_loaded(target, drafter, cfg, progress)
+
+
+def bench_loaded(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool = True) -> dict:
+    """Run the bench with an already loaded target and drafter (e.g. at the end of training)."""
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
     spec_methods = [m for m in methods if m.startswith("draftlab_")]
-    if spec_methods and cfg.drafter is None:
+    if spec_methods and drafter is None:
         raise ValueError(f"methods {spec_methods} need a drafter (--drafter PATH or init:<family>)")
 
     runners: dict[str, Callable[[list[int]], Run]] = {
@@ -121,10 +130,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         runners["hf_generate"] = _hf_runner(target, params)
     if "hf_prompt_lookup" in methods:
         runners["hf_prompt_lookup"] = _hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
-    drafter, tree = None, None
+    tree = None
     if spec_methods:
         tree = load_tree(cfg.tree)
-        drafter = resolve_drafter(cfg.drafter, target, k=max(cfg.k, tree.depth), depth=cfg.depth, seed=cfg.seed)
         if "draftlab_chain" in methods:
             runners["draftlab_chain"] = _engine_runner(SpeculativeDecoder(target, drafter, Tree.chain(cfg.k)).generate, params)
         if "draftlab_tree" in methods:

@@ -2,6 +2,8 @@
 
     draftlab bench   --target smollm2-135m --drafter init:parallel --json bench.json
     draftlab profile --target smollm2-135m --json profile.json
+    draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
+    draftlab runs
 
 Bad input exits with status 2 and one clear message, never a traceback.
 """
@@ -17,9 +19,12 @@ from pydantic import ValidationError
 from draftlab.config import (
     BenchConfig,
     ConfigError,
+    DistillConfig,
     ProfileConfig,
     TargetSpec,
     format_validation_error,
+    load_yaml,
+    parse_overrides,
 )
 
 METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
@@ -61,7 +66,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="cached context length")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+
+    d = sub.add_parser("distill", help="train a drafter by self-distillation on Ray Train (logged to MLflow)")
+    d.add_argument("-c", "--config", required=True, help="DistillConfig YAML (see jobs/configs/)")
+    d.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 scaling.num_workers=2")
+
+    r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
+    r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
+    r.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
+    r.add_argument("--limit", type=int, default=20)
     return parser
+
+
+def _distill(a: argparse.Namespace) -> None:
+    from draftlab.distill.trainer import run_distill
+
+    cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
+    summary = run_distill(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "bench"}, indent=2, default=str))
+
+
+def _runs(a: argparse.Namespace) -> None:
+    from draftlab.tracking import format_runs_table, list_runs
+
+    print(format_runs_table(list_runs(a.tracking_uri, a.experiment, a.limit)))
 
 
 def _bench(a: argparse.Namespace) -> None:
@@ -85,7 +113,7 @@ def _profile(a: argparse.Namespace) -> None:
     print(json.dumps(run_profile(cfg), indent=2))
 
 
-COMMANDS = {"bench": _bench, "profile": _profile}
+COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "runs": _runs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,6 +133,20 @@ class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names file and field."""
 
 
+def parse_overrides(items: list[str]) -> dict:
+    """`["train.lr=1e-4", "data.source.kind=dataset"]` -> {dotted key: YAML-typed value}."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+    return out
+
+
 def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -> M:
     """Load a YAML file into `model`, applying dotted `overrides` (`a.b=1`) on top."""
     path = Path(path)

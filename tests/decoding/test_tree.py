@@ -70,3 +70,11 @@ def test_presets_and_files(tmp_path):
         load_tree(str(f))
     with pytest.raises(TreeError, match="unknown tree 'nope'"):
         load_tree("nope")
+
+
+def test_truncated_keeps_prefix_closure():
+    t = load_tree("default")
+    assert t.truncated(4) is t
+    t2 = t.truncated(2)
+    assert t2.depth == 2 and all(len(p) <= 2 for p in t2.paths)
+    assert set(t2.paths) == {p for p in t.paths if len(p) <= 2}

@@ -118,6 +118,12 @@ class Tree:
         nodes = topk[self.depths[1:] - 1, self.ranks]  # (N,)
         return torch.cat([torch.tensor([root], device=nodes.device), nodes])
 
+    def truncated(self, max_depth: int) -> Tree:
+        """The same tree without nodes deeper than `max_depth` (still prefix-closed)."""
+        if self.depth <= max_depth:
+            return self
+        return Tree.from_paths([list(p) for p in self.paths if len(p) <= max_depth], f"{self.name}-d{max_depth}")
+
     def to_json(self) -> str:
         return json.dumps([list(p) for p in self.paths])
 

@@ -44,6 +44,9 @@ class DrafterConfig(BaseModel):
     """`weights_fingerprint` of that target; loading against other weights fails."""
     decoder: dict
     """LlamaConfig kwargs of the decoder stack (hidden size etc. follow the target)."""
+    vocab_size: int | None = None
+    """VocabTrim: the head scores only these many target tokens (ids saved as the
+    `vocab_ids` tensor); None = the full target vocabulary."""
 
 
 @dataclass
@@ -88,13 +91,17 @@ class DrafterNet(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.decoder = LlamaModel(LlamaConfig(**cfg.decoder))
         self.decoder.embed_tokens = None  # unused: inputs are fused embeddings
+        if cfg.vocab_size:
+            # Filled by `set_vocab` (training) or by the saved weights (loading).
+            self.register_buffer("vocab_ids", torch.zeros(cfg.vocab_size, dtype=torch.long))
         self.to(device=target.device, dtype=target.dtype)
+        self.refresh_head()
 
     # -- building blocks -------------------------------------------------------------
     def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """(n,) token ids + (n, H) target hidden states -> (n, H) decoder inputs."""
-        emb = self._target_io[0](tokens)  # (n, H)
-        return self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))  # (n, 2H) -> (n, H)
+        """(...,) token ids + (..., H) target hidden states -> (..., H) decoder inputs."""
+        emb = self._target_io[0](tokens)  # (..., H)
+        return self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))  # (..., 2H) -> (..., H)
 
     def forward(
         self,
@@ -113,8 +120,48 @@ class DrafterNet(nn.Module):
         )
         return out.last_hidden_state
 
+    # -- the (possibly trimmed) head --------------------------------------------------
+    @property
+    def target_vocab_size(self) -> int:
+        return self._target_io[1].weight.shape[0]
+
+    def set_vocab(self, ids: torch.Tensor) -> None:
+        """VocabTrim: score only `ids` (the most frequent target tokens)."""
+        if not self.cfg.vocab_size or ids.numel() != self.cfg.vocab_size:
+            raise ValueError(f"set_vocab needs exactly vocab_size={self.cfg.vocab_size} ids, got {ids.numel()}")
+        self.vocab_ids.copy_(ids.to(self.vocab_ids.device))
+        self.refresh_head()
+
+    def refresh_head(self) -> None:
+        """Cache the head rows in use (the frozen target head, or its trimmed rows)."""
+        w = self._target_io[1].weight  # (V, H)
+        self._head_weight = w[self.vocab_ids] if self.cfg.vocab_size else w  # (Vt, H)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., Vt) float32 logits over the head's vocabulary (training)."""
+        return torch.nn.functional.linear(h, self._head_weight).float()
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._target_io[1](h).float()  # (..., H) -> (..., V)
+        """(..., H) -> (..., V) logits over the full target vocabulary (trimmed ids = -inf)."""
+        small = self.head_logits(h)  # (..., Vt)
+        if not self.cfg.vocab_size:
+            return small
+        full = small.new_full((*small.shape[:-1], self.target_vocab_size), float("-inf"))  # (..., V)
+        full[..., self.vocab_ids] = small
+        return full
+
+    def embed_nodes(self, tokens: torch.Tensor, hidden: torch.Tensor, mask_idx: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs for packed training nodes.
+
+        tokens, mask_idx: (B, M); hidden: (B, M, H) target states for real nodes.
+        mask_idx[b, m] = j >= 0 selects mask embedding j; -1 = a real (token, hidden) node.
+        """
+        x = self.fuse(tokens, hidden)  # (B, M, H)
+        masks = getattr(self, "mask_embeddings", None)
+        if masks is None or masks.shape[0] == 0:
+            return x
+        m = masks[mask_idx.clamp(min=0)]  # (B, M, H)
+        return torch.where((mask_idx >= 0)[..., None], m, x)  # (B, M, H)
 
     def step(self, state: DraftState, x: torch.Tensor) -> torch.Tensor:
         """Append (n, H) inputs at the next positions of `state`; return (n, H) outputs."""
@@ -156,7 +203,9 @@ class DrafterNet(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def init_drafter(family: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0) -> DrafterNet:
+def init_drafter(
+    family: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0, vocab_size: int | None = None
+) -> DrafterNet:
     """A freshly initialised (untrained) drafter of `family` for `target`."""
     from draftlab.models.drafters.registry import drafter_class
 
@@ -170,6 +219,7 @@ def init_drafter(family: str, target: Target, k: int = 4, depth: int = 1, seed: 
         target_name=target.name,
         target_fingerprint=target.fingerprint,
         decoder=_decoder_config(target, depth),
+        vocab_size=vocab_size,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -196,6 +246,7 @@ def load_drafter(path: str | Path, target: Target) -> DrafterNet:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights}: weights do not match the config (missing={missing}, unexpected={unexpected})")
+    model.refresh_head()
     return model.to(target.dtype).eval()
 
 

@@ -1,0 +1,468 @@
+"""Self-distillation data: the frozen target answers the training prompts, and (optionally)
+its last hidden states are cached so drafter training needs no target forward.
+
+Generation is scaled out with Ray Data: prompts are cut into shards of `shard_size`; a pool
+of `num_actors` actors, each holding one copy of the target, generates a shard and saves it
+itself, so a killed job keeps every finished shard and a rerun only does the rest. The
+driver then concatenates the shards in order, splits train/eval and saves the result.
+
+Cache layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
+
+    root/<key>.lock                 serialises drivers working on the same key
+    root/<key>/dataset/             final DatasetDict ("train", "eval"), + meta.json
+    root/<key>/work/prompts.json    the prompts and shard size (a resumed run reuses them)
+    root/<key>/work/shards/shard-00003/   one generated shard (Dataset.save_to_disk)
+
+`<key>` hashes everything that changes the samples: the target's weights fingerprint, the
+prompt source (and the size/mtime of local source files), max_new_tokens, temperature,
+top_p, store_features and eval_fraction. Batch size, actor count, shard size and device are
+left out on purpose: they change speed, not results, except that batched left-padded
+generation can flip a near-tied greedy argmax through padding numerics (and GPU/CPU kernels
+differ slightly too). We accept that rather than invalidate caches on a resource change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from draftlab.config import DataConfig, PromptSourceConfig, TargetSpec
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bump when the stored columns or their meaning change: old caches are then ignored."""
+_FP16_MAX = 65504.0  # float16's largest finite value; bf16/fp32 features are clamped to it
+
+
+# --- cache keys and layout ---------------------------------------------------------------
+
+
+def _source_stamp(source: PromptSourceConfig) -> list | None:
+    """Sizes and mtimes of a local source file/dir, so editing it invalidates the cache."""
+    if source.kind != "dataset" or not source.path:
+        return None
+    path = Path(source.path).expanduser()
+    if path.is_file():
+        return [[path.name, path.stat().st_size, path.stat().st_mtime_ns]]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return None  # a hub name
+
+
+def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
+    """Everything that determines the generated samples (see the module docstring)."""
+    return {
+        "format": FORMAT_VERSION,
+        "target": target_fingerprint,
+        "source": data.source.model_dump(mode="json"),
+        "source_files": _source_stamp(data.source),
+        "max_new_tokens": data.max_new_tokens,
+        "temperature": data.temperature,
+        "top_p": data.top_p,
+        "store_features": data.store_features,
+        "eval_fraction": data.eval_fraction,
+    }
+
+
+def dataset_key(data: DataConfig, target_fingerprint: str) -> str:
+    """Stable hex digest of `key_inputs`: the cache directory's name."""
+    blob = json.dumps(key_inputs(data, target_fingerprint), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def cache_root(data: DataConfig) -> Path:
+    from draftlab.models.presets import cache_dir
+
+    return Path(data.cache_dir).expanduser() if data.cache_dir else cache_dir() / "data"
+
+
+def cache_path(data: DataConfig, target_fingerprint: str) -> Path:
+    """The key directory for these inputs (it may not exist yet)."""
+    return cache_root(data) / dataset_key(data, target_fingerprint)
+
+
+def shard_dir(work_dir: Path, index: int) -> Path:
+    return Path(work_dir) / "shards" / f"shard-{index:05d}"
+
+
+def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: dict | None = None) -> None:
+    """`save_to_disk` into a temp dir beside `dest`, add `extra` json files, then os.replace.
+
+    A reader sees the whole directory or none. If `dest` appeared meanwhile (a retried or
+    concurrent writer finished first) theirs is kept: both hold the same samples.
+    """
+    dest = Path(dest)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    ds.save_to_disk(str(tmp))
+    for name, obj in (extra or {}).items():
+        (tmp / name).write_text(json.dumps(obj, indent=2))
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.is_dir():
+            raise
+
+
+# --- generation: pure functions of a loaded target (they run inside the actors) ----------
+
+
+def sample_features(hidden_size: int, store_features: bool) -> datasets.Features:
+    cols = {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "prompt_len": datasets.Value("int32"),
+        "prompt": datasets.Value("string"),
+    }
+    if store_features:
+        cols["hidden"] = datasets.Array2D(shape=(None, hidden_size), dtype="float16")
+    return datasets.Features(cols)
+
+
+def token_counts(ds: datasets.Dataset) -> tuple[int, int]:
+    """(prompt tokens, response tokens) of a dataset without an indices mapping."""
+    import pyarrow.compute as pc
+
+    total = pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0
+    prompt = pc.sum(ds.data.column("prompt_len")).as_py() or 0
+    return prompt, total - prompt
+
+
+def _cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """Keep tokens up to and including the first EOS (what follows is HF's padding)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.inference_mode()
+def generate_responses(
+    target, prompt_ids: list[list[int]], data: DataConfig, seed: int = 0
+) -> list[list[int]]:
+    """The target's response to each prompt: batched, left-padded HF `generate`,
+    `data.batch_size` prompts per call; greedy when `data.temperature == 0`."""
+    eos = sorted(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    if data.temperature > 0:
+        mode = dict(do_sample=True, temperature=data.temperature, top_p=data.top_p, top_k=None)
+    else:
+        mode = dict(do_sample=False)
+    devices = [target.device.index or 0] if target.device.type == "cuda" else []
+    responses: list[list[int]] = []
+    for start in range(0, len(prompt_ids), data.batch_size):
+        chunk = prompt_ids[start : start + data.batch_size]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # (B, W), left-padded
+        mask = torch.zeros_like(ids)  # (B, W), 1 = real token
+        for row, p in enumerate(chunk):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.random.fork_rng(devices=devices):  # seeded, global RNG untouched
+            torch.manual_seed(seed + start)
+            out = target.model.generate(
+                ids.to(target.device),
+                attention_mask=mask.to(target.device),
+                max_new_tokens=data.max_new_tokens,
+                eos_token_id=eos or None,
+                pad_token_id=pad,
+                **mode,
+            )  # (B, W + new)
+        responses += [_cut_after_eos(r, set(eos)) for r in out[:, width:].tolist()]
+    return responses
+
+
+@torch.inference_mode()
+def last_hidden_states(target, sequences: list[list[int]], batch_size: int) -> list[np.ndarray]:
+    """The target's last hidden states (after the final norm, as `Target.forward` returns
+    them) for every position of each sequence, as float16 arrays of shape (T, H).
+
+    Sequences are right-padded and run without an attention mask: attention is causal, so
+    no real position ever sees the padding after it.
+    """
+    pad = target.tokenizer.pad_token_id or 0
+    out: list[np.ndarray] = []
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start : start + batch_size]
+        ids = torch.full((len(chunk), max(map(len, chunk))), pad, dtype=torch.long)  # (B, W)
+        for row, seq in enumerate(chunk):
+            ids[row, : len(seq)] = torch.tensor(seq)
+        decoder = target.model.get_decoder()
+        hidden = decoder(input_ids=ids.to(target.device), use_cache=False).last_hidden_state  # (B, W, H)
+        hidden = hidden.float().clamp(-_FP16_MAX, _FP16_MAX).half().cpu()
+        out += [hidden[row, : len(seq)].numpy() for row, seq in enumerate(chunk)]  # (T, H) each
+    return out
+
+
+def build_shard(target, prompts: list[str], data: DataConfig, seed: int) -> datasets.Dataset:
+    """Generate, cut and (optionally) featurise one shard; empty responses are dropped."""
+    prompt_ids = [target.encode_prompt(p) for p in prompts]
+    responses = generate_responses(target, prompt_ids, data, seed)
+    keep = [i for i, r in enumerate(responses) if r]
+    seqs = [prompt_ids[i] + responses[i] for i in keep]
+    cols = {
+        "input_ids": seqs,
+        "prompt_len": [len(prompt_ids[i]) for i in keep],
+        "prompt": [prompts[i] for i in keep],
+    }
+    if data.store_features:
+        cols["hidden"] = last_hidden_states(target, seqs, data.batch_size)
+    return datasets.Dataset.from_dict(cols, features=sample_features(target.hidden_size, data.store_features))
+
+
+class ShardGenerator:
+    """Ray Data actor: loads the target once, then generates and saves one shard per row.
+
+    Rows are `{"shard": int, "prompts": list[str]}`; each output row is a small summary
+    (the samples themselves go to disk, so a killed job keeps the finished shards).
+    """
+
+    def __init__(self, target_spec: dict, data: dict, work_dir: str):
+        from draftlab.models.target import load_target
+
+        datasets.disable_progress_bars()  # per-shard "Saving the dataset" bars would flood the driver
+        self.data = DataConfig.model_validate(data)
+        self.work_dir = Path(work_dir)
+        self.target = load_target(TargetSpec.model_validate(target_spec))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        (index,) = batch["shard"].tolist()  # batch_size=1: one shard per call
+        prompts = [str(p) for p in batch["prompts"][0]]
+        dest = shard_dir(self.work_dir, index)
+        t0 = time.perf_counter()
+        if not dest.is_dir():  # a retried task may find its shard already saved
+            ds = build_shard(self.target, prompts, self.data, seed=self.data.source.seed * 1_000_003 + index)
+            save_atomic(ds, dest)
+        ds = datasets.load_from_disk(str(dest))
+        return {
+            "shard": [index],
+            "prompts": [len(prompts)],
+            "samples": [ds.num_rows],
+            "response_tokens": [token_counts(ds)[1]],
+            "seconds": [time.perf_counter() - t0],
+            "device": [str(self.target.device)],
+        }
+
+
+# --- driver ------------------------------------------------------------------------------
+
+
+def generation_spec(target_spec: TargetSpec, use_gpu: bool) -> TargetSpec:
+    """The spec the generation actors load: no "auto" left in device or dtype.
+
+    The device follows `use_gpu`, not CUDA availability: Ray 2.60 leaves
+    CUDA_VISIBLE_DEVICES alone for actors that reserved no GPU, so "auto" would grab an
+    unreserved GPU on a GPU node.
+    """
+    from draftlab.models.target import resolve_dtype
+
+    if target_spec.device == "cuda" and not use_gpu:
+        raise ValueError("target.device is 'cuda' but data.use_gpu is False: generation actors get no GPU")
+    device = target_spec.device if target_spec.device != "auto" else ("cuda" if use_gpu else "cpu")
+    dtype = str(resolve_dtype(target_spec.dtype, torch.device(device))).removeprefix("torch.")
+    return target_spec.model_copy(update={"device": device, "dtype": dtype})
+
+
+def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> tuple[list[str], int]:
+    """Prompts and shard size: read back from `work/prompts.json`, or made and recorded.
+
+    A resumed run keeps the recorded shard size even if `data.shard_size` changed, so the
+    finished shards still line up with the prompts.
+    """
+    from draftlab.data.sources import load_prompts_from_source
+
+    plan = work / "prompts.json"
+    if plan.is_file():
+        saved = json.loads(plan.read_text())
+        if saved["shard_size"] != data.shard_size:
+            logger.info(
+                "resuming with the recorded shard_size=%d (config says %d)", saved["shard_size"], data.shard_size
+            )
+        return saved["prompts"], saved["shard_size"]
+    prompts = load_prompts_from_source(data.source, target, progress=progress)
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = plan.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps({"shard_size": data.shard_size, "prompts": prompts}, ensure_ascii=False))
+    os.replace(tmp, plan)
+    return prompts, data.shard_size
+
+
+def _run_shards(
+    todo: list[int], prompts: list[str], shard_size: int, num_shards: int,
+    data: DataConfig, target_spec: TargetSpec, work: Path, progress: bool,
+) -> None:
+    """Generate the shards in `todo` with a Ray Data actor pool on the current Ray instance."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    rows = [{"shard": i, "prompts": prompts[i * shard_size : (i + 1) * shard_size]} for i in todo]
+    ctx = ray.data.DataContext.get_current()
+    ray_bars, ctx.enable_progress_bars = ctx.enable_progress_bars, not progress  # ours replaces Ray's
+    try:
+        mapped = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(  # one block per shard
+            ShardGenerator,
+            batch_size=1,
+            # One shard in flight per actor: a free actor takes the next shard (no queueing
+            # behind a busy one), which keeps the tail of the job short.
+            compute=ray.data.ActorPoolStrategy(
+                size=min(data.num_actors, len(rows)), max_tasks_in_flight_per_actor=1
+            ),
+            num_gpus=1 if data.use_gpu else 0,
+            num_cpus=data.cpus_per_actor,
+            fn_constructor_kwargs={
+                "target_spec": target_spec.model_dump(),
+                "data": data.model_dump(),
+                "work_dir": str(work),
+            },
+        )
+        bar = tqdm(total=num_shards, initial=num_shards - len(todo), desc="self-distill shards", unit="shard",
+                   disable=not progress)
+        with bar:
+            for r in mapped.iter_rows():  # one summary row per shard, as each finishes
+                bar.update(1)
+                logger.info(
+                    "shard %d/%d done on %s: %d/%d samples, %d response tokens, %.1f s", r["shard"] + 1,
+                    num_shards, r["device"], r["samples"], r["prompts"], r["response_tokens"], r["seconds"],
+                )
+    finally:
+        ctx.enable_progress_bars = ray_bars
+
+
+def _split(ds: datasets.Dataset, eval_fraction: float, seed: int) -> datasets.DatasetDict:
+    """Deterministic train/eval split; eval gets >= 1 sample when eval_fraction > 0 and
+    there are >= 2 samples, and train always keeps >= 1."""
+    n = ds.num_rows
+    n_eval = min(round(n * eval_fraction), n - 1)
+    if eval_fraction > 0 and n >= 2:
+        n_eval = max(n_eval, 1)
+    if n_eval <= 0:
+        return datasets.DatasetDict(train=ds, eval=ds.select([]))
+    # Not `train_test_split`: it caches the indices inside the first shard's directory, and
+    # datasets 5.2 rejects its keep_in_memory=True for file-backed data. Same algorithm.
+    order = np.random.default_rng(seed).permutation(n)  # (n,)
+    return datasets.DatasetDict(
+        train=ds.select(order[n_eval:], keep_in_memory=True),
+        eval=ds.select(order[:n_eval], keep_in_memory=True),
+    )
+
+
+def _concat_shards(work: Path, num_shards: int) -> datasets.Dataset:
+    shards = [datasets.load_from_disk(str(shard_dir(work, i))) for i in range(num_shards)]
+    ds = datasets.concatenate_datasets(shards)  # memory-mapped, in prompt order
+    if ds.num_rows == 0:
+        raise ValueError(f"self-distillation produced no samples (every response was empty); see {work}")
+    return ds
+
+
+def _meta(
+    ds: datasets.Dataset, dsd: datasets.DatasetDict, data: DataConfig, target_spec: TargetSpec,
+    fingerprint: str, num_prompts: int,
+) -> dict:
+    prompt_tokens, response_tokens = token_counts(ds)
+    return {
+        "key": dataset_key(data, fingerprint),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "inputs": key_inputs(data, fingerprint),
+        "target": target_spec.model_dump(mode="json"),
+        "num_prompts": num_prompts,
+        "num_samples": ds.num_rows,
+        "num_dropped_empty": num_prompts - ds.num_rows,
+        "num_train": dsd["train"].num_rows,
+        "num_eval": dsd["eval"].num_rows,
+        "prompt_tokens": prompt_tokens,
+        "response_tokens": response_tokens,
+    }
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """One driver per key at a time; a second one waits, then finds the finished dataset."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(root) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("waiting for another job generating the same data at %s", root)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig, target_spec: TargetSpec,
+              fingerprint: str, progress: bool) -> None:
+    """Generate the missing shards, then save the final DatasetDict + meta.json atomically."""
+    work = root / "work"
+    num_shards = -(-len(prompts) // shard_size)  # ceil
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    for stale in (work / "shards").glob(".*.tmp-*"):  # left by a killed writer
+        shutil.rmtree(stale, ignore_errors=True)
+    todo = [i for i in range(num_shards) if not shard_dir(work, i).is_dir()]
+    logger.info(
+        "self-distillation data at %s: %d prompts in %d shards, %d to generate",
+        root, len(prompts), num_shards, len(todo),
+    )
+    if todo:
+        _run_shards(todo, prompts, shard_size, num_shards, data, target_spec, work, progress)
+    ds = _concat_shards(work, num_shards)
+    dsd = _split(ds, data.eval_fraction, data.source.seed)
+    meta = _meta(ds, dsd, data, target_spec, fingerprint, len(prompts))
+    save_atomic(dsd, root / "dataset", extra={"meta.json": meta})
+    logger.info(
+        "saved self-distillation data at %s (%d train, %d eval)", root / "dataset", meta["num_train"], meta["num_eval"]
+    )
+
+
+def load_or_generate(
+    data: DataConfig, target_spec: TargetSpec, progress: bool = True, *, keep_shards: bool = False
+) -> datasets.DatasetDict:
+    """The self-distillation DatasetDict ("train", "eval") for `data` and `target_spec`:
+    loaded from the cache, or generated with Ray Data (resuming finished shards) and cached.
+
+    Columns: `input_ids` (prompt ids from `Target.encode_prompt`, then the response, EOS
+    kept), `prompt_len`, `prompt`, and with `data.store_features` also `hidden` (T, H)
+    float16. `keep_shards=False` deletes the work dir once the dataset is saved (the shards
+    duplicate it on disk).
+    """
+    from draftlab.models.target import load_target
+
+    spec = generation_spec(target_spec, data.use_gpu)
+    # The driver's copy (cache key, prompt filters, magpie) has the actors' dtype, hence
+    # their weights fingerprint, even on a CPU-only head node.
+    on_driver = spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"})
+    target = load_target(on_driver)
+    fingerprint = target.fingerprint
+    root = cache_path(data, fingerprint)
+    final = root / "dataset"
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root):
+        if (final / "dataset_dict.json").is_file():
+            logger.info("reusing cached self-distillation data at %s", final)
+        else:
+            prompts, shard_size = _prompts_and_plan(root / "work", data, target, progress)
+            del target  # the actors load their own copies
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            _generate(root, prompts, shard_size, data, spec, fingerprint, progress)
+            if not keep_shards:
+                shutil.rmtree(root / "work", ignore_errors=True)
+    return datasets.load_from_disk(str(final))

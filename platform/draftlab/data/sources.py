@@ -1,0 +1,283 @@
+"""Training prompts for self-distillation: read from any `datasets` source, or written by
+the target itself (Magpie: sample from its chat template's bare user-turn header).
+
+Both kinds go through the same filters (`reject_reason`) and deduplication, so a prompt set
+is clean whatever produced it. The junk filter is language-agnostic: it looks at Unicode
+categories, never at ASCII ranges, so Chinese, Cyrillic or Arabic prompts pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftlab.config import PromptSourceConfig
+
+logger = logging.getLogger(__name__)
+
+# Local files: extension -> `datasets` packaged builder.
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+_USER_ROLES = ("human", "user")
+# Cut point in the rendered chat template; private-use chars never occur in real templates.
+_SENTINEL = "\ue000draftlab-magpie\ue001"
+
+# Junk thresholds. Generous on purpose: they remove spam and byte soup, not style.
+_MIN_TEXT_SHARE = 0.75  # letters, marks, digits, punctuation and spaces among all chars
+_MIN_ALNUM_SHARE = 0.4  # letters/digits (+ combining marks) among non-space chars
+_MAX_CHAR_SHARE = 0.5  # the most common non-space char may not exceed this share
+_MAX_WORD_SHARE = 0.5  # ... nor the most common word (texts of >= 4 words)
+_REPEAT_UNIT = re.compile(r"(.{1,8}?)\1{4,}", re.DOTALL)  # a short unit 5+ times in a row
+
+
+# --- filters -------------------------------------------------------------------------------
+
+
+def junk_reason(text: str) -> str | None:
+    """Why `text` looks like junk rather than a prompt (None = it looks like text)."""
+    if "\ufffd" in text:
+        return "replacement char"
+    if not text.strip():
+        return "empty"
+    cats = [unicodedata.category(c)[0] for c in text]
+    texty = sum(cat in "LMNPZ" or c.isspace() for c, cat in zip(text, cats, strict=True))
+    if texty < _MIN_TEXT_SHARE * len(text):
+        return "not mostly text"
+    visible = [c for c in text if not c.isspace()]
+    alnum = sum(c.isalnum() or unicodedata.category(c).startswith("M") for c in visible)
+    if alnum < _MIN_ALNUM_SHARE * len(visible):
+        return "too few letters/digits"
+    if Counter(visible).most_common(1)[0][1] > _MAX_CHAR_SHARE * len(visible):
+        return "one repeated character"
+    words = [w.strip(".,;:!?\"'()").casefold() for w in text.split()]
+    words = [w for w in words if w]
+    if len(words) >= 4 and Counter(words).most_common(1)[0][1] > _MAX_WORD_SHARE * len(words):
+        return "one repeated word"
+    repeated = sum(m.end() - m.start() for m in _REPEAT_UNIT.finditer(text))
+    if repeated > 0.5 * len(text):
+        return "repeated pattern"
+    return None
+
+
+def reject_reason(text: str, cfg: PromptSourceConfig, tokenizer=None) -> str | None:
+    """Why a (stripped) prompt is dropped: length limits of `cfg`, then `junk_reason`."""
+    if len(text) < cfg.min_chars:
+        return "too short"
+    if tokenizer is not None:
+        n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n_tokens > cfg.max_prompt_tokens:
+            return "too many tokens"
+    return junk_reason(text)
+
+
+def dedup_key(text: str) -> str:
+    """Prompts equal up to whitespace and case are duplicates."""
+    return " ".join(text.split()).casefold()
+
+
+class _Collector:
+    """Strips, filters and deduplicates candidate prompts; counts why others were dropped."""
+
+    def __init__(self, cfg: PromptSourceConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.prompts: list[str] = []
+        self.dropped: Counter[str] = Counter()
+        self._seen: set[str] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.prompts) >= self.cfg.num_prompts
+
+    def offer(self, text: str | None) -> bool:
+        if not isinstance(text, str):
+            self.dropped["no text"] += 1
+            return False
+        text = text.strip()
+        reason = reject_reason(text, self.cfg, self.tokenizer)
+        if reason is None and dedup_key(text) in self._seen:
+            reason = "duplicate"
+        if reason is not None:
+            self.dropped[reason] += 1
+            return False
+        self._seen.add(dedup_key(text))
+        self.prompts.append(text)
+        return True
+
+    def summary(self) -> str:
+        drops = ", ".join(f"{k}={v}" for k, v in self.dropped.most_common()) or "none"
+        return f"{len(self.prompts)} prompts kept; dropped: {drops}"
+
+
+# --- kind = "dataset" ----------------------------------------------------------------------
+
+
+def _describe(cfg: PromptSourceConfig) -> str:
+    subset = f", subset {cfg.subset!r}" if cfg.subset else ""
+    return f"prompt source {cfg.path!r} (split {cfg.split!r}{subset})"
+
+
+def _open_dataset(cfg: PromptSourceConfig):
+    """A `datasets.Dataset` for a hub name, a local file (builder from its extension), a
+    `save_to_disk` directory, or any other directory `datasets` understands."""
+    import datasets
+
+    if not cfg.path:
+        raise ValueError("prompt source kind 'dataset' needs source.path (hub name or local file/dir)")
+    path = Path(cfg.path).expanduser()
+    builder = _BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    if path.is_file() and builder is None:
+        raise ValueError(
+            f"{_describe(cfg)}: unsupported file type {path.suffix!r}; "
+            f"use one of {sorted(_BUILDERS)} or a directory"
+        )
+    try:
+        if builder is not None:
+            # The file *is* the split named in the config, so slices like `train[:100]` work.
+            files = {re.match(r"\w*", cfg.split).group(0) or "train": str(path)}
+            return datasets.load_dataset(builder, data_files=files, split=cfg.split)
+        if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+            loaded = datasets.load_from_disk(str(path))
+            return loaded[cfg.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(str(path) if path.is_dir() else cfg.path, cfg.subset, split=cfg.split)
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError...)
+        raise ValueError(f"{_describe(cfg)}: could not load it: {type(e).__name__}: {e}") from e
+
+
+def _turn_text(turn: dict) -> str | None:
+    content = turn.get("value", turn.get("content"))
+    if isinstance(content, list):  # OpenAI-style parts: [{"type": "text", "text": ...}, ...]
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else None
+
+
+def first_user_turn(conversation: object) -> str | None:
+    """The first human/user turn of a ShareGPT (`from`/`value`) or OpenAI (`role`/`content`)
+    conversation; None when there is none."""
+    if not isinstance(conversation, list):
+        return None
+    for turn in conversation:
+        if isinstance(turn, dict) and str(turn.get("from", turn.get("role", ""))).lower() in _USER_ROLES:
+            return _turn_text(turn)
+    return None
+
+
+def _dataset_texts(cfg: PromptSourceConfig) -> Iterator[str | None]:
+    ds = _open_dataset(cfg)
+    column = cfg.conversations or cfg.field
+    if column is None:
+        raise ValueError(f"{_describe(cfg)}: set source.field or source.conversations")
+    if column not in ds.column_names:
+        which = "conversations" if cfg.conversations else "field"
+        raise ValueError(
+            f"{_describe(cfg)} has no column {column!r} (source.{which}); "
+            f"available columns: {ds.column_names}"
+        )
+    for value in ds.select_columns([column]):  # lazy: rows are read until enough are kept
+        value = value[column]
+        yield first_user_turn(value) if cfg.conversations else value
+
+
+# --- kind = "magpie" -----------------------------------------------------------------------
+
+
+def user_turn_header(tokenizer) -> str:
+    """The chat template's text up to where a user message starts (system turn included)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("magpie prompts need a target with a chat template; use kind='dataset'")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
+    if _SENTINEL not in rendered:
+        raise ValueError("the chat template does not render the user message verbatim; use kind='dataset'")
+    return rendered.split(_SENTINEL, 1)[0]
+
+
+def _end_of_turn_ids(target, tokenizer) -> list[int]:
+    """EOS ids plus the first token after the user message (e.g. `<|im_end|>`)."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
+    suffix = tokenizer(rendered.split(_SENTINEL, 1)[1], add_special_tokens=False)["input_ids"]
+    ids = set(target.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+    if suffix and suffix[0] in tokenizer.all_special_ids:
+        ids.add(suffix[0])
+    return sorted(ids)
+
+
+def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int) -> Iterator[str]:
+    """Sample user turns from the bare header, `batch_size` at a time, for `max_rounds`."""
+    tok = target.tokenizer
+    header = tok(user_turn_header(tok), add_special_tokens=False)["input_ids"]
+    stop = _end_of_turn_ids(target, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
+    ids = torch.tensor([header] * batch_size, device=target.device)  # (B, P), no padding needed
+    devices = [target.device.index or 0] if target.device.type == "cuda" else []
+    for round_ in range(max_rounds):
+        with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
+            torch.manual_seed(cfg.seed * 1_000_003 + round_)
+            out = target.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=cfg.magpie_temperature,
+                top_p=cfg.magpie_top_p,
+                top_k=None,
+                max_new_tokens=cfg.max_prompt_tokens,
+                eos_token_id=stop,
+                pad_token_id=pad,
+            )  # (B, P + new)
+        for row in out[:, len(header) :].tolist():
+            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+            yield tok.decode(row[:cut], skip_special_tokens=True)
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def _collect(texts: Iterable[str | None], collector: _Collector, bar: tqdm) -> None:
+    for text in texts:
+        if collector.offer(text):
+            bar.update(1)
+        if collector.full:
+            return
+
+
+def load_prompts_from_source(
+    cfg: PromptSourceConfig,
+    target,
+    *,
+    progress: bool = True,
+    magpie_batch_size: int = 16,
+    magpie_max_rounds: int | None = None,
+) -> list[str]:
+    """Up to `cfg.num_prompts` filtered, deduplicated prompt texts (in source order).
+
+    `target` is a loaded `Target`: its tokenizer measures prompt length, and for
+    `kind="magpie"` its model writes the prompts (`magpie_batch_size` samples per call, at
+    most `magpie_max_rounds` calls; default: 4x what a zero-rejection run would need + 2).
+    Fewer prompts than asked is a warning, none at all a `ValueError`.
+    """
+    collector = _Collector(cfg, target.tokenizer)
+    bar = tqdm(total=cfg.num_prompts, desc=f"prompts ({cfg.kind})", unit="prompt", disable=not progress)
+    with bar:
+        if cfg.kind == "dataset":
+            _collect(_dataset_texts(cfg), collector, bar)
+            where = _describe(cfg)
+        else:
+            rounds = magpie_max_rounds or 4 * math.ceil(cfg.num_prompts / magpie_batch_size) + 2
+            _collect(_magpie_texts(cfg, target, magpie_batch_size, rounds), collector, bar)
+            where = f"magpie prompts from {target.name!r} ({rounds} rounds max)"
+    logger.info("%s: %s", where, collector.summary())
+    if not collector.prompts:
+        raise ValueError(f"{where}: no prompt passed the filters ({collector.summary()})")
+    if not collector.full:
+        logger.warning("%s: only %d of %d prompts (%s)", where, len(collector.prompts), cfg.num_prompts,
+                       collector.summary())
+    return collector.prompts

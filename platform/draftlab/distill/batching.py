@@ -1,0 +1,99 @@
+"""Training batches: self-distilled sequences -> packed ParallelSpec groups.
+
+A sequence x_0..x_{L-1} with target states h_0..h_{L-1} gives drafter *entries*
+e_i = (x_{i+1}, h_i) at position i+1 (EAGLE alignment, as at inference). The group layout
+over the L-1 entries adds, for anchor a and depth d >= 1, mask d after entry a. Node (a, d)
+predicts x_{a+d+2}; its teacher is the target's distribution at position a+d+1, i.e.
+softmax(head(h_{a+d+1})). Only nodes predicting response tokens carry loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftlab.data.group_mask import build_group_layout
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L) right-padded sequences
+    lengths: torch.Tensor  # (B,) true lengths
+    node_token: torch.Tensor  # (B, M) entry token of real nodes (0 for masks / padding)
+    node_anchor: torch.Tensor  # (B, M) entry index a: its hidden input is h_a
+    mask_idx: torch.Tensor  # (B, M) mask embedding j = d-1 for masks, -1 for real nodes
+    depth: torch.Tensor  # (B, M)
+    position_ids: torch.Tensor  # (B, M) a + d + 1
+    teacher_idx: torch.Tensor  # (B, M) index of the teacher state h_{a+d+1}
+    label: torch.Tensor  # (B, M) token x_{a+d+2}
+    loss_mask: torch.Tensor  # (B, M) bool: a real node predicting a response token
+    attn_mask: torch.Tensor  # (B, 1, M, M) additive group mask
+    hidden: torch.Tensor | None = None  # (B, L, H) cached target states, if stored
+
+    def to(self, device: torch.device) -> Batch:
+        kw = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return Batch(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v) for f, v in kw.items()})
+
+    @property
+    def response_tokens(self) -> int:
+        return int((self.loss_mask & (self.depth == 0)).sum())
+
+
+def collate(
+    samples: list[dict],
+    k: int,
+    max_seq_len: int,
+    drop_tokens: bool,
+    generator: torch.Generator | None,
+    dtype: torch.dtype = torch.float32,
+) -> Batch:
+    """Pack `samples` (dicts with input_ids, prompt_len and optionally hidden (L, H))."""
+    layouts, seqs = [], []
+    for s in samples:
+        ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[:max_seq_len]  # (L,)
+        if ids.numel() < 3:
+            raise ValueError("training sequences need at least 3 tokens (prompt + response)")
+        seqs.append(ids)
+        layouts.append(build_group_layout(ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator))
+    B, L = len(samples), max(s.numel() for s in seqs)
+    M = max(lay.num_nodes for lay in layouts)
+    neg = torch.finfo(dtype).min
+    input_ids = torch.zeros(B, L, dtype=torch.long)
+    fields = {n: torch.zeros(B, M, dtype=torch.long) for n in ("node_token", "node_anchor", "depth", "position_ids", "teacher_idx", "label")}
+    mask_idx = torch.full((B, M), -1, dtype=torch.long)
+    loss_mask = torch.zeros(B, M, dtype=torch.bool)
+    attn = torch.full((B, 1, M, M), neg, dtype=dtype)
+    attn[:, 0].diagonal(dim1=-2, dim2=-1).zero_()  # padding nodes see themselves (no NaN rows)
+    for b, (s, ids, lay) in enumerate(zip(samples, seqs, layouts, strict=True)):
+        n, m = ids.numel(), lay.num_nodes
+        input_ids[b, :n] = ids
+        entries = ids[1:]  # (L-1,) entry tokens x_1..x_{L-1}
+        has_label = lay.label_index >= 0  # (m,)
+        teacher = lay.label_index.clamp(min=0)  # (m,) entry index a+d+1 == state index
+        fields["node_token"][b, :m] = torch.where(lay.depth == 0, entries[lay.anchor], 0)
+        fields["node_anchor"][b, :m] = lay.anchor
+        fields["depth"][b, :m] = lay.depth
+        fields["position_ids"][b, :m] = lay.position_ids + 1
+        fields["teacher_idx"][b, :m] = teacher
+        fields["label"][b, :m] = entries[teacher]  # x_{a+d+2}
+        mask_idx[b, :m] = torch.where(lay.depth > 0, lay.depth - 1, -1)
+        prompt_len = int(s["prompt_len"])
+        loss_mask[b, :m] = has_label & (teacher + 1 >= prompt_len)  # label x_{teacher+1} is a response token
+        attn[b, 0, :m, :m] = lay.additive_mask(dtype)[0, 0]
+    hidden = None
+    if samples and samples[0].get("hidden") is not None:
+        H = torch.as_tensor(samples[0]["hidden"]).shape[-1]
+        hidden = torch.zeros(B, L, H, dtype=dtype)
+        for b, s in enumerate(samples):
+            h = torch.as_tensor(s["hidden"])[: seqs[b].numel()]  # (L_b, H) float16 on disk
+            hidden[b, : h.shape[0]] = h.to(dtype)
+    return Batch(
+        input_ids=input_ids,
+        lengths=torch.tensor([s.numel() for s in seqs]),
+        mask_idx=mask_idx,
+        loss_mask=loss_mask,
+        attn_mask=attn,
+        hidden=hidden,
+        **fields,
+    )

@@ -1,0 +1,144 @@
+"""The distillation objective on packed groups, and its per-position metrics.
+
+DistillModule is what DDP/FSDP wraps: one forward from a `Batch` (plus the target's states)
+to the drafter's output states. The loss runs on detached outputs in node chunks so the
+(B, M, V) logits never exist at once; the summed gradient is then pushed through the
+decoder in one backward (one DDP all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from draftlab.config import TrainConfig
+from draftlab.distill.batching import Batch
+from draftlab.models.drafters.network import DrafterNet
+
+CHUNK_NODES = 512  # nodes per loss chunk: bounds (chunk, V) float32 logits to ~100 MB at V=49k
+
+
+class DistillModule(nn.Module):
+    def __init__(self, drafter: DrafterNet):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, L, H) target states -> (B, M, H) drafter outputs for every node."""
+        anchor_h = torch.gather(hidden, 1, batch.node_anchor[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, M, H)
+        x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, H)
+        return self.drafter(x, batch.position_ids, attention_mask=batch.attn_mask)  # (B, M, H)
+
+
+@dataclass
+class Stats:
+    """Sums over nodes, per depth, for loss and top-1 agreement with the target."""
+
+    k: int
+    loss: float = 0.0
+    nodes: list[int] = field(default_factory=list)
+    agree: list[int] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.nodes = self.nodes or [0] * self.k
+        self.agree = self.agree or [0] * self.k
+        self.kl = self.kl or [0.0] * self.k
+
+    def add(self, other: Stats) -> None:
+        self.loss += other.loss
+        for d in range(self.k):
+            self.nodes[d] += other.nodes[d]
+            self.agree[d] += other.agree[d]
+            self.kl[d] += other.kl[d]
+
+    @property
+    def accuracy(self) -> list[float]:
+        return [a / n if n else 0.0 for a, n in zip(self.agree, self.nodes, strict=True)]
+
+    @property
+    def sim_accept_len(self) -> float:
+        """1 + sum_d prod_{j<=d} acc_j: expected tokens per round of a chain (bonus included)."""
+        total, run = 1.0, 1.0
+        for a in self.accuracy:
+            run *= a
+            total += run
+        return total
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}/acc_pos{d + 1}": a for d, a in enumerate(self.accuracy)}
+        out |= {f"{prefix}/kl_pos{d + 1}": kl / n for d, (kl, n) in enumerate(zip(self.kl, self.nodes, strict=True)) if n}
+        out[f"{prefix}/sim_accept_len"] = self.sim_accept_len
+        return out
+
+
+def node_losses(
+    drafter: DrafterNet,
+    out: torch.Tensor,  # (N, H) drafter outputs of loss nodes
+    teacher_h: torch.Tensor,  # (N, H) target states at the teacher positions
+    label: torch.Tensor,  # (N,) data tokens
+    cfg: TrainConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-node loss (N,), KL (N,) and top-1 agreement (N,) bool over the head's vocab."""
+    q_logp = torch.log_softmax(drafter.head_logits(out), -1)  # (N, Vt)
+    with torch.no_grad():
+        t_logits = drafter.head_logits(teacher_h)  # (N, Vt) teacher over the same vocab
+        p_logp = torch.log_softmax(t_logits, -1)
+    kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)  # (N,)
+    loss = cfg.kl_weight * kl
+    if cfg.ce_weight:
+        idx = label
+        if drafter.cfg.vocab_size:  # map full ids to head rows; tokens outside are skipped
+            lookup = torch.full((drafter.target_vocab_size,), -1, device=label.device, dtype=torch.long)
+            lookup[drafter.vocab_ids] = torch.arange(drafter.cfg.vocab_size, device=label.device)
+            idx = lookup[label]
+        ce = -q_logp.gather(-1, idx.clamp(min=0)[:, None])[:, 0]  # (N,)
+        loss = loss + cfg.ce_weight * torch.where(idx >= 0, ce, torch.zeros_like(ce))
+    agree = q_logp.argmax(-1) == t_logits.argmax(-1)  # (N,)
+    return loss, kl.detach(), agree
+
+
+def loss_and_backward(
+    module: nn.Module,  # DistillModule, possibly DDP-wrapped
+    drafter: DrafterNet,
+    batch: Batch,
+    hidden: torch.Tensor,  # (B, L, H)
+    cfg: TrainConfig,
+    k: int,
+    backward: bool = True,
+) -> Stats:
+    """Forward, chunked loss and (optionally) one backward; returns per-depth statistics."""
+    out = module(batch, hidden)  # (B, M, H)
+    sel = batch.loss_mask  # (B, M)
+    n_total = max(int(sel.sum()), 1)
+    flat_out = out.detach()[sel]  # (N, H): the loss runs on detached outputs, chunk by chunk
+    teacher = torch.gather(hidden, 1, batch.teacher_idx[..., None].expand(-1, -1, hidden.shape[-1]))[sel]  # (N, H)
+    label, depth = batch.label[sel], batch.depth[sel]  # (N,), (N,)
+    stats = Stats(k)
+    grads = []
+    for s in range(0, flat_out.shape[0], CHUNK_NODES):
+        o = flat_out[s : s + CHUNK_NODES].requires_grad_(backward)
+        loss, kl, agree = node_losses(drafter, o, teacher[s : s + CHUNK_NODES], label[s : s + CHUNK_NODES], cfg)
+        d = depth[s : s + CHUNK_NODES]
+        if cfg.feature_weight:  # EAGLE feature regression: depth-0 output ~ next target state
+            feat = F.smooth_l1_loss(o.float(), teacher[s : s + CHUNK_NODES].float(), reduction="none").mean(-1)
+            loss = loss + cfg.feature_weight * torch.where(d == 0, feat, torch.zeros_like(feat))
+        total = loss.sum() / n_total
+        if backward:
+            (g,) = torch.autograd.grad(total, o)
+            grads.append(g)
+        stats.loss += float(total.detach())
+        for j in range(k):
+            on = d == j
+            stats.nodes[j] += int(on.sum())
+            stats.agree[j] += int(agree[on].sum())
+            stats.kl[j] += float(kl[on].sum())
+    if backward:
+        full = torch.zeros_like(out)  # (B, M, H)
+        if grads:
+            full[sel] = torch.cat(grads).to(full.dtype)
+        out.backward(full)
+    return stats

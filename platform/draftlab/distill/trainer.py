@@ -1,0 +1,110 @@
+"""Tiers 2 and 3: `build_trainer(cfg, ...)` and `run_distill(cfg)`, the caller shared by
+the CLI, `jobs/distill.py` and (later) Tune trials.
+
+    draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
+
+Same `name` and `storage_path` = resume from the latest checkpoint (Ray Train does it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from draftlab.config import DistillConfig
+from draftlab.distill.worker import train_fn_per_worker
+from draftlab.tracking import Tracker, resolve_tracking_uri
+
+
+def storage_uri(path: str) -> str:
+    """Ray Train needs an absolute local path (or a URI such as s3://)."""
+    return path if "://" in path else str(Path(path).expanduser().resolve())
+
+
+def output_dir(cfg: DistillConfig) -> str:
+    if cfg.output_dir:
+        return storage_uri(cfg.output_dir)
+    return str(Path(storage_uri(cfg.storage_path)) / cfg.name / "drafter")
+
+
+def build_trainer(cfg: DistillConfig, data_path: str, mlflow_run_id: str | None, tracking_uri: str | None) -> TorchTrainer:
+    sc = cfg.scaling
+    return TorchTrainer(
+        train_fn_per_worker,
+        train_loop_config={
+            "cfg": cfg.model_dump(),
+            "data_path": data_path,
+            "mlflow_run_id": mlflow_run_id,
+            "tracking_uri": tracking_uri,
+            "output_dir": output_dir(cfg),
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=sc.num_workers,
+            use_gpu=sc.use_gpu,
+            resources_per_worker={"CPU": sc.cpus_per_worker, **({"GPU": 1} if sc.use_gpu else {})},
+            placement_strategy=sc.placement_strategy,
+        ),
+        torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(
+            name=cfg.name,  # stable: a rerun with the same name resumes
+            storage_path=storage_uri(cfg.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=sc.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        ),
+    )
+
+
+def ensure_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (e.g. inside `ray job submit`), else start one."""
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+
+
+def registered_name(cfg: DistillConfig) -> str:
+    if cfg.tracking.registered_model:
+        return cfg.tracking.registered_model
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in cfg.target.name.split("/")[-1])
+    return f"draftlab-{safe}-drafter"
+
+
+def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
+    """Generate or reuse the data, train with Ray Train, log to MLflow, register the drafter."""
+    from draftlab.data.selfdistill import load_or_generate
+
+    ensure_ray()
+    t0 = time.perf_counter()
+    data = load_or_generate(cfg.data, cfg.target, progress=progress)
+    # load_from_disk maps <dataset>/<split>/data-*.arrow: workers reopen the same directory.
+    data_path = Path(data["train"].cache_files[0]["filename"]).parent.parent
+    data_seconds = time.perf_counter() - t0
+
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    tracker = Tracker(tracking_uri=tracking_uri, experiment=cfg.tracking.experiment, run_id=None, enabled=True)
+    run_id = tracker.start_or_resume(
+        cfg.name, tags={"draftlab.kind": "distill", "draftlab.target": cfg.target.name, "draftlab.family": cfg.drafter.family}
+    )
+    tracker.log_params(cfg.model_dump())
+    tracker.log_params({"data.cache_path": str(data_path), "data.train_samples": len(data["train"]),
+                        "data.eval_samples": len(data["eval"])})
+    try:
+        result = build_trainer(cfg, str(data_path), run_id, tracking_uri).fit()
+    except Exception:
+        tracker.end("FAILED")
+        raise
+    summary = dict(result.return_value or {})
+    summary |= {"data_seconds": data_seconds, "data_path": str(data_path), "mlflow_run_id": run_id,
+                "drafter_dir": output_dir(cfg), "checkpoint": result.checkpoint.path if result.checkpoint else None}
+    tracker.log_metrics_now({"data_seconds": data_seconds}, summary.get("steps", 0))
+    if cfg.tracking.register_model:
+        tags = {"k": cfg.drafter.k, "depth": cfg.drafter.depth, "family": cfg.drafter.family,
+                "target": cfg.target.name, "tau": summary.get("tau"), "speedup_vs_ar": summary.get("speedup_vs_ar")}
+        name = registered_name(cfg)
+        summary["registered_model"] = name
+        summary["model_version"] = tracker.register_model("drafter", name, {k: str(v) for k, v in tags.items()})
+    tracker.end("FINISHED")
+    return summary

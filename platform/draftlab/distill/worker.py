@@ -1,0 +1,280 @@
+"""Tier 1: `train_fn_per_worker`, the loop every Ray Train worker runs.
+
+Each worker loads the frozen target (embeddings, head, and the teacher when features are
+not cached), reads the cached self-distillation data, trains its DDP replica on its shard,
+and reports a checkpoint (drafter + optimizer + step + data position) every N steps.
+Rank 0 alone talks to MLflow, and flushes buffered metrics only together with a
+checkpoint, so a restart never duplicates or skips a logged step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+
+from draftlab.config import BenchConfig, DistillConfig
+from draftlab.decoding.tree import load_tree
+from draftlab.distill.batching import Batch, collate
+from draftlab.distill.checkpoint import load_checkpoint, save_checkpoint
+from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
+from draftlab.models.drafters.network import DrafterNet, init_drafter, load_drafter
+from draftlab.models.target import Target, load_target
+from draftlab.tracking import Tracker
+
+
+def group_count(cfg: DistillConfig) -> int:
+    """Parallel drafters train K groups; the autoregressive baseline trains K = 1 (EAGLE)."""
+    return cfg.drafter.k if cfg.drafter.family == "parallel" else 1
+
+
+def frequent_tokens(train: datasets.Dataset, n: int, vocab: int, always: frozenset[int]) -> torch.Tensor:
+    """VocabTrim: the n most frequent response tokens (plus EOS), sorted by id."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for row in train.select_columns(["input_ids", "prompt_len"]):
+        resp = torch.as_tensor(row["input_ids"][row["prompt_len"] :], dtype=torch.long)
+        counts += torch.bincount(resp, minlength=vocab)[:vocab]
+    for t in always:
+        counts[t] = counts.max() + 1
+    return counts.topk(n).indices.sort().values  # (n,)
+
+
+def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -> DrafterNet:
+    spec = cfg.drafter
+    if spec.init_from:
+        drafter = load_drafter(spec.init_from, target)
+    else:
+        drafter = init_drafter(spec.family, target, k=spec.k, depth=spec.depth, seed=cfg.train.seed, vocab_size=spec.vocab_size)
+        if spec.vocab_size:
+            drafter.set_vocab(frequent_tokens(train, spec.vocab_size, target.vocab_size, target.eos_token_ids))
+    return drafter.train()
+
+
+def teacher_states(target: Target, batch: Batch) -> torch.Tensor:
+    """(B, L, H) target last hidden states, from the cache or from the frozen target."""
+    if batch.hidden is not None:
+        return batch.hidden.to(target.dtype)
+    mask = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None] < batch.lengths[:, None]
+    with torch.inference_mode():
+        out = target.model.get_decoder()(input_ids=batch.input_ids, attention_mask=mask.long())
+    return out.last_hidden_state.clone()  # clone: leave inference mode for autograd
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int) -> list[list[int]]:
+    """This rank's batches for an epoch: a seeded shuffle, equal counts on every rank."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    per_rank = n // world
+    mine = order[rank * per_rank : (rank + 1) * per_rank]
+    return [mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)] or ([mine] if mine else [])
+
+
+def _all_ranks_any(flag: bool, device: torch.device) -> bool:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _gather(obj) -> list:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def weights_digest(drafter: DrafterNet) -> str:
+    """Digest of the trainable weights: equal on every DDP replica after a correct step."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(drafter.named_parameters()):
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _all_ranks_sum(x: float, device: torch.device) -> float:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    t = torch.tensor([x], device=device, dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+@torch.no_grad()
+def evaluate(module: DistillModule, target: Target, evalset: datasets.Dataset, cfg: DistillConfig, k: int) -> Stats:
+    """Held-out per-position top-1 agreement (no drop-token: every depth of every anchor)."""
+    stats = Stats(k)
+    module.eval()
+    rows = [evalset[i] for i in range(len(evalset))]
+    for i in range(0, len(rows), cfg.train.batch_size):
+        batch = collate(rows[i : i + cfg.train.batch_size], k, cfg.train.max_seq_len, False, None).to(target.device)
+        stats.add(loss_and_backward(module, module.drafter, batch, teacher_states(target, batch), cfg.train, k, backward=False))
+    module.train()
+    return stats
+
+
+def train_fn_per_worker(config: dict) -> dict:
+    cfg = DistillConfig.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if cfg.train.torch_threads:
+        torch.set_num_threads(cfg.train.torch_threads)
+    device = ray.train.torch.get_device()
+    target = load_target(cfg.target.model_copy(update={"device": device.type}))
+    data = datasets.load_from_disk(config["data_path"]).with_format(None)
+    train, evalset = data["train"], data["eval"]
+    k = group_count(cfg)
+    tracker = Tracker(
+        tracking_uri=config.get("tracking_uri"),
+        experiment=cfg.tracking.experiment,
+        run_id=config.get("mlflow_run_id"),
+        enabled=rank == 0 and config.get("mlflow_run_id") is not None,
+    )
+
+    def make_optimizer(d: DrafterNet) -> torch.optim.Optimizer:
+        params = [p for p in d.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            drafter, optimizer, state = load_checkpoint(d, target, make_optimizer)
+    else:
+        drafter = build_drafter(cfg, target, train)
+        optimizer = make_optimizer(drafter)
+        state = {"step": 0, "epoch": 0, "batch": 0, "elapsed_s": 0.0, "tokens": 0}
+    resumed_from = state["step"]
+    if ckpt:
+        tracker.resume_after("loss")
+    module = DistillModule(drafter)
+    model = ray.train.torch.prepare_model(module, parallel_strategy=cfg.scaling.strategy if world > 1 else None)
+
+    per_epoch = len(epoch_batches(len(train), cfg.train.batch_size, 0, cfg.train.seed, rank, world))
+    total_steps = max(1, per_epoch * cfg.train.epochs)
+    budget_s = cfg.train.time_budget_minutes * 60 if cfg.train.time_budget_minutes else float("inf")
+    gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank * 104729 + state["step"])
+    t_start, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
+
+    def report(final: bool = False) -> None:
+        """Flush metrics, then commit a checkpoint (all ranks report; rank 0 attaches files).
+
+        Flushing first means no logged step is ever lost; steps re-run after a crash between
+        the two are dropped by `tracker.resume_after` instead of logged twice.
+        """
+        state["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
+        metrics = {"step": state["step"], "epoch": state["epoch"], "tokens": state["tokens"], "final": final}
+        tracker.flush()
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = None
+            if rank == 0:
+                save_checkpoint(tmp, drafter, optimizer, state)
+                checkpoint = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+    stop = False
+    while state["epoch"] < cfg.train.epochs and not stop:
+        batches = epoch_batches(len(train), cfg.train.batch_size, state["epoch"], cfg.train.seed, rank, world)
+        for idx in batches[state["batch"] :]:
+            batch = collate([train[i] for i in idx], k, cfg.train.max_seq_len, cfg.train.drop_tokens, gen).to(device)
+            for g in optimizer.param_groups:
+                g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps)
+            stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch), cfg.train, k)
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            state["batch"] += 1
+            state["tokens"] += batch.response_tokens
+            window["tokens"] += batch.response_tokens
+            window["stats"].add(stats)
+            step = state["step"]
+            if step % cfg.train.log_every == 0:
+                dt = time.perf_counter() - window["t"]
+                tps = window["tokens"] / dt if dt else 0.0
+                s = window["stats"]
+                tracker.buffer_metrics(
+                    {"loss": s.loss / cfg.train.log_every, "lr": optimizer.param_groups[0]["lr"],
+                     "grad_norm": float(grad_norm), "train/tokens_per_s_worker": tps,
+                     "train/tokens_per_s_total": _all_ranks_sum(tps, device), **s.metrics("train")},
+                    step,
+                )
+                window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
+            if rank == 0 and step % cfg.train.eval_every == 0 and len(evalset):
+                tracker.buffer_metrics(evaluate(module, target, evalset, cfg, k).metrics("eval"), step)
+            over = elapsed0 + time.perf_counter() - t_start >= budget_s
+            stop = _all_ranks_any(over, device)
+            if step % cfg.train.checkpoint_every == 0 and not stop:
+                report()
+            if stop:
+                break
+        else:
+            state["epoch"] += 1
+            state["batch"] = 0
+    # -- end: final checkpoint, evaluation, drafter export and benchmark (rank 0) ------------
+    final_eval = evaluate(module, target, evalset, cfg, k) if rank == 0 and len(evalset) else Stats(k)
+    tracker.buffer_metrics(final_eval.metrics("eval"), state["step"])
+    report(final=True)
+    digests = _gather(weights_digest(drafter))
+    nodes = _gather(ray.get_runtime_context().get_node_id())
+    if rank != 0:
+        return {}
+    summary = {
+        "steps": state["step"],
+        "resumed_from_step": resumed_from,
+        "epochs_done": state["epoch"],
+        "tokens": state["tokens"],
+        "train_seconds": state["elapsed_s"],
+        "train_tokens_per_s": state["tokens"] / state["elapsed_s"] if state["elapsed_s"] else 0.0,
+        "stopped_by_budget": stop,
+        "eval_sim_accept_len": final_eval.sim_accept_len,
+        "eval_accuracy": final_eval.accuracy,
+        "drafter_parameters": drafter.num_parameters(),
+        "world_size": world,
+        "worker_nodes": nodes,
+        "replica_weights_equal": len(set(digests)) == 1,
+    }
+    out_dir = Path(config["output_dir"])
+    drafter.eval().save(out_dir)
+    if cfg.bench.enabled:
+        from draftlab.bench import bench_loaded
+
+        # The bench tree may be deeper than this drafter's k: keep its first k levels.
+        tree_file = out_dir / "tree.json"
+        tree_file.write_text(load_tree(cfg.bench.tree).truncated(cfg.drafter.k).to_json() + "\n")
+        bcfg = BenchConfig(
+            target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
+            max_new_tokens=cfg.bench.max_new_tokens, k=cfg.drafter.k, tree=str(tree_file), methods=cfg.bench.methods,
+        )
+        report_ = bench_loaded(target, drafter, bcfg, progress=False)
+        summary["bench"] = report_
+        best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
+        summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
+                    "best_method": best, "greedy_identical": report_["greedy_identical"]}
+        tracker.log_dict(report_, "bench.json")
+    final_metrics = {k_: float(v) for k_, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    final_metrics |= {f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)}
+    tracker.log_metrics_now(final_metrics, state["step"])
+    tracker.log_artifacts(str(out_dir), "drafter")
+    tracker.log_text(json.dumps(cfg.model_dump(), indent=2), "config.json")
+    return summary

@@ -1,0 +1,321 @@
+"""Prompt sources and self-distillation data (draftlab.data.sources / .selfdistill).
+
+Generation runs for real: Ray Data actors with the tiny target, 12 prompts in 3 shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import datasets
+import numpy as np
+import pytest
+import ray
+import torch
+
+from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
+from draftlab.data import selfdistill
+from draftlab.data.selfdistill import (
+    cache_path,
+    dataset_key,
+    generation_spec,
+    load_or_generate,
+    shard_dir,
+)
+from draftlab.data.sources import dedup_key, junk_reason, load_prompts_from_source, reject_reason
+from draftlab.decoding.engine import autoregressive_generate
+
+PROMPTS = [
+    "Write a poem about the sea.",
+    "Explain how a rainbow forms.",
+    "What is the capital of France?",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "Summarise the plot of Hamlet.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "How do vaccines work?",
+    "Describe a cat to a child.",
+    "What does a compiler do?",
+    "Name two planets with rings.",
+]
+MAX_NEW = 12
+TINY = TargetSpec(name="tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    """One Ray instance for the module, with draftlab's cache in a temp dir."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DRAFTLAB_CACHE", str(tmp_path_factory.mktemp("draftlab-cache")))
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2)
+        yield
+        ray.shutdown()
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_cfg(tmp_path_factory) -> DataConfig:
+    path = write_jsonl(tmp_path_factory.mktemp("src") / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
+    source = PromptSourceConfig(kind="dataset", path=str(path), num_prompts=len(PROMPTS))
+    return DataConfig(source=source, max_new_tokens=MAX_NEW, shard_size=4, batch_size=4, eval_fraction=0.25)
+
+
+@pytest.fixture(scope="module")
+def generated(ray_local, data_cfg):
+    return load_or_generate(data_cfg, TINY, progress=False, keep_shards=True)
+
+
+def samples(dsd: datasets.DatasetDict) -> list[dict]:
+    """All samples of both splits, in prompt order."""
+    rows = list(dsd["train"]) + list(dsd["eval"])
+    return sorted(rows, key=lambda r: PROMPTS.index(r["prompt"]))
+
+
+# --- filters -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Write a short poem about the sea, please.",
+        "请写一首关于大海的短诗。",
+        "Напишите короткое стихотворение о море.",
+        "اكتب قصيدة قصيرة عن البحر من فضلك.",
+        "समुद्र के बारे में एक छोटी कविता लिखिए।",
+        "def square(x): return x ** 2  # why?",
+    ],
+)
+def test_junk_filter_keeps_text_in_any_script(text):
+    assert junk_reason(text) is None
+    assert reject_reason(text, PromptSourceConfig(min_chars=8)) is None
+
+
+@pytest.mark.parametrize(
+    "text,reason",
+    [
+        ("aaaaaaaaaaaaaaaaaaaa", "one repeated character"),
+        ("哈哈哈哈哈哈哈哈哈哈", "one repeated character"),
+        ("spam spam spam spam spam eggs", "one repeated word"),
+        ("lolololololololololol hi", "repeated pattern"),
+        ("What is \ufffd\ufffd here?", "replacement char"),
+        ("!?!?!?!?!?!?!?!?", "too few letters/digits"),
+        ("\x00\x01\x02\x03 abc \x04\x05\x06\x07", "not mostly text"),
+    ],
+)
+def test_junk_filter_rejects_spam(text, reason):
+    assert junk_reason(text) == reason
+
+
+def test_length_filters(tiny):
+    cfg = PromptSourceConfig(min_chars=8, max_prompt_tokens=10)
+    assert reject_reason("Hi you", cfg, tiny.tokenizer) == "too short"
+    assert reject_reason("A question that is far too long", cfg, tiny.tokenizer) == "too many tokens"
+    assert reject_reason("Short one", cfg, tiny.tokenizer) is None  # 9 chars = 9 tokens
+
+
+# --- dataset sources -----------------------------------------------------------------------
+
+SHAREGPT = [
+    {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Why is the sky blue?"}, {"from": "gpt", "value": "Rayleigh."}]},
+    {"conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Name two planets with rings."}]},
+    {"conversations": [{"from": "gpt", "value": "No user turn here."}]},
+]
+OPENAI = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]},
+    {"messages": [{"role": "user", "content": "Name two planets with rings."}, {"role": "assistant", "content": "Saturn."}]},
+    {"messages": [{"role": "assistant", "content": "No user turn here."}]},
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_dataset_source_field(tmp_path, tiny, fmt):
+    rows = [
+        {"id": 0, "text": "Why is the sky blue?"},
+        {"id": 1, "text": "why is the   SKY blue?"},  # duplicate up to case and spaces
+        {"id": 2, "text": "zzzzzzzzzzzzzzzz"},  # junk
+        {"id": 3, "text": "Hi"},  # too short
+        {"id": 4, "text": "Name two planets with rings."},
+        {"id": 5, "text": "How do vaccines work?"},
+    ]
+    path = tmp_path / f"prompts.{fmt}"
+    ds = datasets.Dataset.from_list(rows)
+    {"jsonl": ds.to_json, "json": ds.to_json, "csv": ds.to_csv, "parquet": ds.to_parquet}[fmt](str(path))
+    cfg = PromptSourceConfig(kind="dataset", path=str(path), field="text", num_prompts=2)
+    got = load_prompts_from_source(cfg, tiny, progress=False)
+    assert got == ["Why is the sky blue?", "Name two planets with rings."]
+
+
+@pytest.mark.parametrize("rows,column", [(SHAREGPT, "conversations"), (OPENAI, "messages")], ids=["sharegpt", "openai"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_dataset_source_conversations(tmp_path, tiny, rows, column, fmt):
+    path = tmp_path / f"chats.{fmt}"
+    if fmt == "jsonl":
+        write_jsonl(path, rows)
+    else:
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    cfg = PromptSourceConfig(kind="dataset", path=str(path), conversations=column, num_prompts=10)
+    got = load_prompts_from_source(cfg, tiny, progress=False)
+    assert got == ["Why is the sky blue?", "Name two planets with rings."]
+
+
+def test_dataset_source_missing_field_names_source_and_columns(tmp_path, tiny):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"question": "Why is the sky blue?", "id": 1}])
+    cfg = PromptSourceConfig(kind="dataset", path=str(path), field="prompt")
+    with pytest.raises(ValueError) as err:
+        load_prompts_from_source(cfg, tiny, progress=False)
+    msg = str(err.value)
+    assert "'prompt'" in msg and str(path) in msg and "question" in msg and "id" in msg
+
+
+def test_dataset_source_unknown_file_type(tmp_path, tiny):
+    path = tmp_path / "p.xml"
+    path.write_text("<x/>")
+    with pytest.raises(ValueError, match="unsupported file type '.xml'"):
+        load_prompts_from_source(PromptSourceConfig(kind="dataset", path=str(path)), tiny, progress=False)
+
+
+# --- magpie --------------------------------------------------------------------------------
+
+
+def test_magpie_prompts_are_filtered_unique_and_seeded(tiny):
+    # The tiny model writes random characters: short prompts keep the token budget small.
+    cfg = PromptSourceConfig(kind="magpie", num_prompts=10, min_chars=4, max_prompt_tokens=16, seed=3)
+    got = load_prompts_from_source(cfg, tiny, progress=False)
+    assert len(got) == 10
+    assert len({dedup_key(p) for p in got}) == 10
+    assert all(p == p.strip() and reject_reason(p, cfg, tiny.tokenizer) is None for p in got)
+    assert load_prompts_from_source(cfg, tiny, progress=False) == got
+    assert load_prompts_from_source(cfg.model_copy(update={"seed": 4}), tiny, progress=False) != got
+
+
+def test_magpie_returns_what_it_has_when_rounds_run_out(tiny, caplog):
+    cfg = PromptSourceConfig(kind="magpie", num_prompts=50, min_chars=4, max_prompt_tokens=16)
+    with caplog.at_level(logging.WARNING, logger="draftlab.data.sources"):
+        got = load_prompts_from_source(cfg, tiny, progress=False, magpie_batch_size=4, magpie_max_rounds=2)
+    assert 0 < len(got) <= 8
+    assert "only" in caplog.text
+
+
+# --- self-distillation data ----------------------------------------------------------------
+
+
+def test_generated_columns_and_shapes(generated, tiny):
+    assert set(generated) == {"train", "eval"}
+    assert (generated["train"].num_rows, generated["eval"].num_rows) == (9, 3)
+    feats = generated["train"].features
+    assert feats["input_ids"].feature.dtype == "int32" and feats["prompt_len"].dtype == "int32"
+    assert feats["hidden"] == datasets.Array2D(shape=(None, tiny.hidden_size), dtype="float16")
+    for row in samples(generated):
+        prompt_ids = tiny.encode_prompt(row["prompt"])
+        assert row["prompt_len"] == len(prompt_ids)
+        assert row["input_ids"][: row["prompt_len"]] == prompt_ids
+        assert 1 <= len(row["input_ids"]) - row["prompt_len"] <= MAX_NEW
+        assert np.asarray(row["hidden"]).shape == (len(row["input_ids"]), tiny.hidden_size)
+
+
+def test_responses_are_greedy_target_decoding(generated, tiny):
+    for row in samples(generated):
+        ref = autoregressive_generate(tiny, row["input_ids"][: row["prompt_len"]], SamplingParams(max_new_tokens=MAX_NEW))
+        assert row["input_ids"][row["prompt_len"] :] == ref.tokens, row["prompt"]
+
+
+def test_hidden_matches_target_forward(generated, tiny):
+    for row in samples(generated)[:4]:
+        ids = torch.tensor(row["input_ids"])
+        _, hidden = tiny.forward(ids, torch.arange(len(ids)), tiny.new_cache())  # (T, H)
+        torch.testing.assert_close(torch.tensor(np.asarray(row["hidden"]), dtype=torch.float32), hidden.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_split_is_deterministic_and_disjoint(generated):
+    train, ev = set(generated["train"]["prompt"]), set(generated["eval"]["prompt"])
+    assert not train & ev and train | ev == set(PROMPTS)
+    assert selfdistill._split(generated["train"], 0.01, seed=0)["eval"].num_rows == 1  # >= 1 when >= 2 rows
+    assert selfdistill._split(generated["train"].select([0]), 0.5, seed=0)["eval"].num_rows == 0
+
+
+def test_cache_is_reused_without_generation(generated, data_cfg, tiny, monkeypatch, caplog):
+    root = cache_path(data_cfg, tiny.fingerprint)
+    meta = root / "dataset" / "meta.json"
+    stamp = meta.stat().st_mtime_ns
+    assert json.loads(meta.read_text())["num_samples"] == 12
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the cached dataset should have been reused")
+
+    monkeypatch.setattr(selfdistill, "_run_shards", no_generation)
+    other_resources = data_cfg.model_copy(update={"batch_size": 1, "num_actors": 3, "shard_size": 5})
+    with caplog.at_level(logging.INFO, logger="draftlab.data.selfdistill"):
+        again = load_or_generate(other_resources, TINY, progress=False)
+    assert "reusing cached self-distillation data" in caplog.text
+    assert meta.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in (root / "work" / "shards").iterdir()) == ["shard-00000", "shard-00001", "shard-00002"]
+    assert samples(again) == samples(generated)
+
+
+def test_cache_key_tracks_results_not_resources(data_cfg, tmp_path):
+    key = dataset_key(data_cfg, "fp-a")
+    assert dataset_key(data_cfg, "fp-b") != key
+    for change in [{"max_new_tokens": 7}, {"temperature": 0.5}, {"top_p": 0.9}, {"store_features": False}, {"eval_fraction": 0.1}]:
+        assert dataset_key(data_cfg.model_copy(update=change), "fp-a") != key, change
+    source = data_cfg.source.model_copy(update={"num_prompts": 5})
+    assert dataset_key(data_cfg.model_copy(update={"source": source}), "fp-a") != key
+    for change in [{"batch_size": 3}, {"num_actors": 4}, {"shard_size": 2}, {"use_gpu": True}, {"cpus_per_actor": 2.0}]:
+        assert dataset_key(data_cfg.model_copy(update=change), "fp-a") == key, change
+    moved = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
+    assert cache_path(moved, "fp-a") == tmp_path / key
+
+
+def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny, tmp_path):
+    copy = tmp_path / "prompts.jsonl"
+    shutil.copy(data_cfg.source.path, copy)
+    source = data_cfg.source.model_copy(update={"path": str(copy), "num_prompts": 4})
+    data = data_cfg.model_copy(update={"source": source, "max_new_tokens": 5, "cache_dir": str(tmp_path / "c")})
+    old_key = dataset_key(data, tiny.fingerprint)
+    dsd = load_or_generate(data, TINY, progress=False)
+    root = cache_path(data, tiny.fingerprint)
+    assert root.name == old_key and root != cache_path(data_cfg, tiny.fingerprint)
+    assert (root / "dataset" / "meta.json").is_file() and not (root / "work").exists()  # shards dropped
+    assert all(len(ids) - n <= 5 for ids, n in zip(dsd["train"]["input_ids"], dsd["train"]["prompt_len"], strict=True))
+    write_jsonl(copy, [{"prompt": p} for p in reversed(PROMPTS)])  # edited in place
+    assert dataset_key(data, tiny.fingerprint) != old_key
+
+
+def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_path, caplog):
+    # A copy of the finished key dir, as a job killed after shards 0 and 2 would leave it.
+    data = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
+    root = cache_path(data, tiny.fingerprint)
+    shutil.copytree(cache_path(data_cfg, tiny.fingerprint), root)
+    shutil.rmtree(root / "dataset")
+    work = root / "work"
+    shutil.rmtree(shard_dir(work, 1))
+
+    def stamps(i):
+        return sorted((p.name, p.stat().st_mtime_ns) for p in [shard_dir(work, i), *shard_dir(work, i).iterdir()])
+
+    kept = {i: stamps(i) for i in (0, 2)}
+    with caplog.at_level(logging.INFO, logger="draftlab.data.selfdistill"):
+        resumed = load_or_generate(data.model_copy(update={"shard_size": 6}), TINY, progress=False, keep_shards=True)
+    assert "12 prompts in 3 shards, 1 to generate" in caplog.text  # recorded shard size wins
+    assert {i: stamps(i) for i in (0, 2)} == kept
+    assert shard_dir(work, 1).is_dir()
+    for split in ("train", "eval"):
+        assert resumed[split]["prompt"] == generated[split]["prompt"]
+        assert resumed[split]["input_ids"] == generated[split]["input_ids"]
+        np.testing.assert_array_equal(
+            np.concatenate(resumed[split].with_format("numpy")["hidden"]),
+            np.concatenate(generated[split].with_format("numpy")["hidden"]),
+        )
+
+
+def test_generation_spec_resolves_device_from_use_gpu():
+    assert generation_spec(TINY, use_gpu=False).model_dump() == {**TINY.model_dump(), "device": "cpu", "dtype": "float32"}
+    assert generation_spec(TINY, use_gpu=True).model_dump() == {**TINY.model_dump(), "device": "cuda", "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="use_gpu"):
+        generation_spec(TINY.model_copy(update={"device": "cuda"}), use_gpu=False)

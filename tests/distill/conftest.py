@@ -1,0 +1,17 @@
+"""Fixtures for the distillation tests (Ray Train tuning knobs are set before Ray starts)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Ray Train's controller polls workers every 2 s by default; 0.1 s halves each fit().
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
+
+
+@pytest.fixture(scope="module")
+def tmp_module(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distill")
