@@ -98,3 +98,22 @@ def test_profile_json(tmp_path):
     assert set(report["drafter_ms"]["parallel"]) == {"1", "2", "3", "4"}
     assert set(report["drafter_ms"]["autoregressive"]["4"]) == {str(k) for k in range(1, 9)}
     assert all(v > 0 for v in report["target_forward_ms"].values())
+
+
+def test_distill_cli_rejects_bad_config_and_overrides(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter: {family: parallel, depth: 0}\n")
+    assert main(["distill", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "drafter.depth" in err and "Traceback" not in err
+    good = tmp_path / "good.yaml"
+    good.write_text("name: x\n")
+    assert main(["distill", "-c", str(good), "train.lr"]) == 2
+    assert "must look like key.path=value" in capsys.readouterr().err
+    assert main(["distill", "-c", str(tmp_path / "missing.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_runs_lists_nothing_on_a_fresh_store(tmp_path, capsys):
+    assert main(["runs", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 0
+    assert "run" in capsys.readouterr().out.lower()

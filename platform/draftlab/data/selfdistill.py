@@ -295,7 +295,7 @@ def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> t
                 "resuming with the recorded shard_size=%d (config says %d)", saved["shard_size"], data.shard_size
             )
         return saved["prompts"], saved["shard_size"]
-    prompts = load_prompts_from_source(data.source, target, progress=progress)
+    prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size)
     work.mkdir(parents=True, exist_ok=True)
     tmp = plan.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps({"shard_size": data.shard_size, "prompts": prompts}, ensure_ascii=False))

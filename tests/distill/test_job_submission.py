@@ -1,0 +1,90 @@
+"""`jobs/distill.py` submitted with Ray's job submission SDK to a real `ray start --head`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distill_support import tiny_config
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A real head node in its own process group, so teardown stops exactly this cluster
+    (`ray stop` would stop every Ray instance on the machine)."""
+    from mlflow_server import free_port
+
+    port, dash = free_port(), free_port()
+    # Every fixed default port gets a free one: another Ray instance on this machine (a
+    # developer's, or a test module's) must not collide with this head's agents.
+    agent_ports = [f"--{flag}={free_port()}" for flag in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+        "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
+    # As with an activated virtualenv: the job's `python` is this interpreter.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "PATH": path}
+    log = open(tmp_path_factory.mktemp("head") / "ray-start.log", "w")
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=3", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--object-store-memory=157286400",
+         "--disable-usage-stats", *agent_ports],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        yield f"http://127.0.0.1:{dash}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _ray(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # As a user runs it against a cluster with Ray's token auth on: RAY_AUTH_MODE=token makes
+    # the client send ~/.ray/auth_token (written by `ray start --head`).
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    return subprocess.run([RAY, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_distill_job_succeeds(head, tmp_path):
+    cfg = tiny_config(tmp_path, "job", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
+    runtime_env = {"excludes": [".venv/", ".git/", ".draftlab/", "**/__pycache__/"]}
+    deadline = time.time() + 90
+    while True:  # the dashboard's job agent can take a few seconds to come up
+        sub = _ray("job", "submit", "--address", head, "--no-wait", "--working-dir", str(ROOT),
+                   "--runtime-env-json", json.dumps(runtime_env), "--",
+                   "python", "jobs/distill.py", "-c", str(cfg_file), "train.epochs=2")
+        if sub.returncode == 0 or time.time() > deadline:
+            break
+        time.sleep(3)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = re.search(r"(raysubmit_\w+)", sub.stdout + sub.stderr).group(1)
+    status = ""
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        status = _ray("job", "status", "--address", head, job_id).stdout
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        time.sleep(3)
+    logs = _ray("job", "logs", "--address", head, job_id).stdout
+    assert "SUCCEEDED" in status, status + logs[-3000:]
+    assert '"registered_model": "draftlab-tiny-llama-drafter"' in logs
+    assert (tmp_path / "ray" / "job" / "drafter" / "model.safetensors").is_file()
