@@ -4,26 +4,11 @@
     python jobs/bench.py -c jobs/configs/bench-smollm2-135m.yaml max_new_tokens=64 target.device=cuda
 """
 
-import argparse
 import sys
 
 from draftlab.bench import render_table, run_bench
-from draftlab.config import BenchConfig, ConfigError, load_yaml, parse_overrides
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-c", "--config", required=True, help="BenchConfig YAML")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_new_tokens=64")
-    args = parser.parse_args()
-    try:
-        cfg = load_yaml(BenchConfig, args.config, parse_overrides(args.overrides))
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    print(render_table(run_bench(cfg)))
-    return 0
-
+from draftlab.config import BenchConfig
+from draftlab.jobs import job_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(job_main(__doc__, BenchConfig, lambda cfg: render_table(run_bench(cfg))))

@@ -79,11 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _distill(a: argparse.Namespace) -> None:
-    from draftlab.distill.trainer import run_distill
+    from draftlab.distill.trainer import format_summary, run_distill
 
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
-    summary = run_distill(cfg)
-    print(json.dumps({k: v for k, v in summary.items() if k != "bench"}, indent=2, default=str))
+    print(format_summary(run_distill(cfg)))
 
 
 def _runs(a: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ Same `name` and `storage_path` = resume from the latest checkpoint (Ray Train do
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -60,9 +61,10 @@ def build_trainer(cfg: DistillConfig, data_path: str, mlflow_run_id: str | None,
 
 
 def ensure_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (e.g. inside `ray job submit`), else start one."""
+    """Join the cluster named by RAY_ADDRESS (set inside `ray job submit`), else start a
+    fresh local instance ("local": never silently join a stale `ray start` cluster)."""
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
 
 
 def registered_name(cfg: DistillConfig) -> str:
@@ -108,3 +110,8 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
         summary["model_version"] = tracker.register_model("drafter", name, {k: str(v) for k, v in tags.items()})
     tracker.end("FINISHED")
     return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The run summary as JSON, without the (large) embedded bench report."""
+    return json.dumps({k: v for k, v in summary.items() if k != "bench"}, indent=2, default=str)
