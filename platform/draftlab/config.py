@@ -288,6 +288,9 @@ class TrainConfig(StrictModel):
     """Record training metrics every N steps."""
     seed: int = 0
     """Seed for init, shuffling and drop-token sampling."""
+    autocast: Literal["none", "bf16", "fp16"] = "none"
+    """Mixed precision for the drafter's forward/backward (weights and optimizer stay fp32).
+    `bf16` uses AMX on recent Xeons (~2x faster here) and tensor cores on GPUs."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads per worker (None = torch's default)."""
 

@@ -68,6 +68,13 @@ def teacher_states(target: Target, batch: Batch) -> torch.Tensor:
     return out.last_hidden_state.clone()  # clone: leave inference mode for autograd
 
 
+def autocast(cfg: DistillConfig, device: torch.device):
+    """The mixed-precision context for drafter compute (`train.autocast`)."""
+    mode = cfg.train.autocast
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak."""
     if step < warmup:
@@ -128,7 +135,8 @@ def evaluate(module: DistillModule, target: Target, evalset: datasets.Dataset, c
     rows = [evalset[i] for i in range(len(evalset))]
     for i in range(0, len(rows), cfg.train.batch_size):
         batch = collate(rows[i : i + cfg.train.batch_size], k, cfg.train.max_seq_len, False, None).to(target.device)
-        stats.add(loss_and_backward(module, module.drafter, batch, teacher_states(target, batch), cfg.train, k, backward=False))
+        with autocast(cfg, target.device):
+            stats.add(loss_and_backward(module, module.drafter, batch, teacher_states(target, batch), cfg.train, k, backward=False))
     module.train()
     return stats
 
@@ -199,7 +207,8 @@ def train_fn_per_worker(config: dict) -> dict:
             batch = collate([train[i] for i in idx], k, cfg.train.max_seq_len, cfg.train.drop_tokens, gen).to(device)
             for g in optimizer.param_groups:
                 g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps)
-            stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch), cfg.train, k)
+            with autocast(cfg, device):
+                stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch), cfg.train, k)
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
