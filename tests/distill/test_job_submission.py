@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +54,11 @@ def head(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        # `ray stop` would also forget this head; without it a later bare ray.init() would
+        # try to join the dead cluster named in Ray's "current cluster" file.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 def _ray(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
