@@ -3,6 +3,7 @@ real MLflow server: DDP across two nodes, a killed worker resumed from its check
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -85,11 +86,18 @@ def test_killed_worker_resumes_from_checkpoint(cluster, mlflow_uri, tmp_module):
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(run_distill(cfg, progress=False)))
     thread.start()
-    run_dir = tmp_module / "ray" / "resume"
+    snapshot = tmp_module / "ray" / "resume" / "checkpoint_manager_snapshot.json"
+
+    def committed() -> bool:  # a checkpoint dir appears before Ray commits it: wait for the commit
+        try:
+            return json.loads(snapshot.read_text()).get("latest_checkpoint_result") is not None
+        except (OSError, ValueError):
+            return False
+
     deadline = time.time() + 240
-    while time.time() < deadline and not list(run_dir.glob("checkpoint_*")):
+    while time.time() < deadline and not committed():
         time.sleep(0.2)
-    assert list(run_dir.glob("checkpoint_*")), "no checkpoint was written"
+    assert committed(), "no checkpoint was committed"
     pids = _train_worker_pids()
     assert pids, "could not find the Ray Train worker process"
     for pid in pids:

@@ -172,8 +172,8 @@ def train_fn_per_worker(config: dict) -> dict:
         optimizer = make_optimizer(drafter)
         state = {"step": 0, "epoch": 0, "batch": 0, "elapsed_s": 0.0, "tokens": 0}
     resumed_from = state["step"]
-    if ckpt:
-        tracker.resume_after("loss")
+    # A restarted attempt (with or without a checkpoint) must not re-log steps already sent.
+    tracker.resume_after("loss")
     module = DistillModule(drafter)
     model = ray.train.torch.prepare_model(module, parallel_strategy=cfg.scaling.strategy if world > 1 else None)
 
