@@ -90,11 +90,7 @@ def node_losses(
     kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)  # (N,)
     loss = cfg.kl_weight * kl
     if cfg.ce_weight:
-        idx = label
-        if drafter.cfg.vocab_size:  # map full ids to head rows; tokens outside are skipped
-            lookup = torch.full((drafter.target_vocab_size,), -1, device=label.device, dtype=torch.long)
-            lookup[drafter.vocab_ids] = torch.arange(drafter.cfg.vocab_size, device=label.device)
-            idx = lookup[label]
+        idx = drafter.head_rows(label)  # tokens outside a trimmed head are skipped
         ce = -q_logp.gather(-1, idx.clamp(min=0)[:, None])[:, 0]  # (N,)
         loss = loss + cfg.ce_weight * torch.where(idx >= 0, ce, torch.zeros_like(ce))
     agree = q_logp.argmax(-1) == t_logits.argmax(-1)  # (N,)

@@ -136,6 +136,14 @@ class DrafterNet(nn.Module):
         """Cache the head rows in use (the frozen target head, or its trimmed rows)."""
         w = self._target_io[1].weight  # (V, H)
         self._head_weight = w[self.vocab_ids] if self.cfg.vocab_size else w  # (Vt, H)
+        self._head_row = None
+        if self.cfg.vocab_size:  # full id -> head row (-1 = trimmed away), built once
+            self._head_row = torch.full((w.shape[0],), -1, dtype=torch.long, device=w.device)
+            self._head_row[self.vocab_ids] = torch.arange(self.cfg.vocab_size, device=w.device)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map full target ids to rows of the head (-1 where VocabTrim dropped the id)."""
+        return ids if self._head_row is None else self._head_row[ids]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., Vt) float32 logits over the head's vocabulary (training)."""
