@@ -155,6 +155,8 @@ class SpeculativeDecoder:
         neg = torch.finfo(target.dtype).min
         self._tree_mask = torch.zeros(tree.num_nodes + 1, tree.num_nodes + 1, dtype=target.dtype, device=dev)
         self._tree_mask.masked_fill_(~tree.ancestor_mask.to(dev), neg)  # (N+1, N+1)
+        # Block columns each node sees (its ancestors and itself, in cache order).
+        self._seen = [row.nonzero()[:, 0].to(dev) for row in tree.ancestor_mask]  # N+1 x (depth+1,)
 
     def _verify_mask(self, ctx: int) -> torch.Tensor | None:
         if self.tree.is_chain:
@@ -162,6 +164,13 @@ class SpeculativeDecoder:
         n = self.tree.num_nodes + 1
         ctx_cols = torch.zeros(n, ctx, dtype=self._tree_mask.dtype, device=self._tree_mask.device)
         return torch.cat([ctx_cols, self._tree_mask], dim=1)  # (N+1, ctx + N+1)
+
+    def _verify_rows(self, ctx: int) -> list:
+        """Keys each verified row sees, for row-exact attention (see models/attention.py)."""
+        if self.tree.is_chain:
+            return [ctx + i + 1 for i in range(self.tree.num_nodes + 1)]  # causal prefixes
+        prefix = torch.arange(ctx, device=self.target.device)
+        return [torch.cat([prefix, ctx + seen]) for seen in self._seen]
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
@@ -192,7 +201,7 @@ class SpeculativeDecoder:
             else:
                 nodes = tree.node_tokens(root, dlogits)  # (N+1,)
             t1 = time.perf_counter()
-            logits, hid = target.forward(nodes, ctx + self._depths, cache, self._verify_mask(ctx))
+            logits, hid = target.forward(nodes, ctx + self._depths, cache, self._verify_mask(ctx), self._verify_rows(ctx))
             node_list = nodes.tolist()
             if params.greedy:
                 accepted, bonus = greedy_walk(tree, node_list, logits)

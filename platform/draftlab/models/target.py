@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from draftlab.config import TargetSpec
+from draftlab.models import attention
 
 
 @dataclass
@@ -59,14 +60,17 @@ class Target:
         positions: torch.Tensor,  # (T,) absolute positions
         cache: DynamicCache,
         mask: torch.Tensor | None = None,  # (T, ctx + T) additive, or None = causal
+        rows: list | None = None,  # per row, the keys it sees: row-exact attention (attention.py)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `ids` to `cache`; return logits (T, V) float32 and hidden (T, H)."""
+        extra = {} if rows is None else {"draftlab_rows": rows}
         out = self.model.get_decoder()(
             input_ids=ids[None],
             position_ids=positions[None],
             past_key_values=cache,
             attention_mask=None if mask is None else mask[None, None],  # (1, 1, T, ctx+T)
             use_cache=True,
+            **extra,
         )
         hidden = out.last_hidden_state[0]  # (T, H), after the final norm
         return self.lm_head(hidden).float(), hidden
@@ -89,13 +93,15 @@ def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 4096) -> str
 
     Hashing all bytes of a multi-GB model takes minutes; a strided sample of every tensor
     still changes when any checkpoint is swapped, which is what the drafter check needs.
+    Samples are rounded to bfloat16 first, so the same weights loaded in float32, bfloat16
+    or float16 share one fingerprint (a drafter trained against one precision loads on all).
     """
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // samples_per_tensor)
-        sample = flat[::step][:samples_per_tensor].to("cpu", torch.float32)
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        sample = flat[::step][:samples_per_tensor].to("cpu", torch.bfloat16).float()
+        h.update(f"{name}:{tuple(t.shape)}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -108,9 +114,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_amx_bf16() -> bool:
+    """True on CPUs with AMX tiles (Xeon Sapphire Rapids+), where bf16 matmuls beat fp32."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA and on AMX CPUs (verifying 16 tokens costs about what one
+    does there), float32 on other CPUs (bf16 without AMX is slower than fp32)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_amx_bf16() else torch.float32
     return getattr(torch, dtype)
 
 
@@ -156,6 +169,7 @@ def load_target(spec: TargetSpec | str) -> Target:
                     f"Presets: {available_presets()}. Cause: {e}"
                 ) from None
     model = freeze(model.to(device=device, dtype=dtype))
+    attention.install(model)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = eos if eos is not None else tokenizer.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))

@@ -1,0 +1,73 @@
+"""Row-exact verification attention: a verified block reproduces token-by-token decoding.
+
+The model is a random GQA Llama (4 query heads on 2 KV heads of dim 64): with a 30-token
+context, plain SDPA over the whole block gives a first row that differs in the last bits
+from decoding that token alone (pack_gqa for one query vs. one masked block), which is
+what row-exact attention must remove.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftlab.decoding.tree import load_tree
+from draftlab.models import attention
+from draftlab.models.target import Target, cpu_has_amx_bf16
+
+PREFIX = torch.arange(30) % 23 + 3
+
+
+def _prefilled(target):
+    cache = target.new_cache()
+    target.forward(PREFIX, torch.arange(len(PREFIX)), cache)
+    return cache
+
+
+def _stepwise(target, path: list[int]) -> torch.Tensor:
+    """Logits (len(path), V) of feeding `path` one token per forward after the prefix."""
+    cache, ctx = _prefilled(target), len(PREFIX)
+    rows = [target.forward(torch.tensor([tok]), torch.tensor([ctx + i]), cache)[0] for i, tok in enumerate(path)]
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny):
+    if not cpu_has_amx_bf16():
+        pytest.skip("bit-exact bf16 rows rely on oneDNN's AMX matmuls (row results independent of batch size)")
+    cfg = LlamaConfig(
+        vocab_size=tiny.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    attention.install(model)
+    return Target("gqa-bf16", model, tiny.tokenizer, "random")
+
+
+def test_chain_block_equals_token_by_token_bitwise(tiny_bf16):
+    path = [4, 9, 33, 12, 6]
+    ctx = len(PREFIX)
+    cache = _prefilled(tiny_bf16)
+    rows = [ctx + i + 1 for i in range(len(path))]
+    block, _ = tiny_bf16.forward(torch.tensor(path), torch.arange(ctx, ctx + len(path)), cache, rows=rows)
+    assert torch.equal(block, _stepwise(tiny_bf16, path))
+
+
+def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16):
+    tree = load_tree("small-6")
+    tokens = [4, 9, 33, 12, 6, 21, 14][: tree.num_nodes + 1]
+    ctx = len(PREFIX)
+    cache = _prefilled(tiny_bf16)
+    seen = [row.nonzero()[:, 0] for row in tree.ancestor_mask]
+    rows = [torch.cat([torch.arange(ctx), ctx + s]) for s in seen]
+    positions = ctx + tree.depths
+    block, _ = tiny_bf16.forward(torch.tensor(tokens), positions, cache, rows=rows)
+    for node, s in enumerate(seen):  # each node's row equals decoding its root-to-node path
+        path = [tokens[i] for i in s.tolist()]
+        assert torch.equal(block[node], _stepwise(tiny_bf16, path)[-1]), f"node {node}"
+
+
+def test_rows_must_match_queries(tiny):
+    cache = _prefilled(tiny)
+    with pytest.raises(ValueError, match="2 rows for 3 queries"):
+        tiny.forward(torch.tensor([1, 2, 3]), torch.arange(10, 13), cache, rows=[11, 12])
