@@ -280,6 +280,10 @@ class TrainConfig(StrictModel):
     (EAGLE's feature loss; what lets an autoregressive drafter feed itself)."""
     drop_tokens: bool = True
     """Subsample deep groups (keep L*max(0.7^d, 0.2) anchors at depth d)."""
+    loss_on_prompt: bool = False
+    """Also distil on prompt positions (the target's predictions there are as valid a
+    teacher as on responses): more training signal per generated sample. Evaluation stays
+    on response tokens."""
     checkpoint_every: int = Field(100, ge=1)
     """Checkpoint (and flush metrics to MLflow) every N steps, and at the end."""
     eval_every: int = Field(200, ge=1)

@@ -28,6 +28,9 @@ def test_hand_checked_example_k3():
     # mask 2 of anchor 1 (node 9) sees real entries 0..1, its own mask 1 (node 6) and itself
     assert allowed[9].nonzero().flatten().tolist() == [0, 1, 6, 9]
     assert b.response_tokens == 3
+    # loss_on_prompt: every node with a label carries loss (node 4 has none)
+    b = collate([{"input_ids": [10, 11, 12, 13, 14, 15], "prompt_len": 3}], k=3, max_seq_len=64, drop_tokens=False, generator=None, loss_on_prompt=True)
+    assert b.loss_mask[0].tolist() == [True, True, True, True, False, True, True, True, True, True]
 
 
 def test_padding_rows_are_isolated_and_hidden_is_batched():

@@ -47,8 +47,13 @@ def collate(
     drop_tokens: bool,
     generator: torch.Generator | None,
     dtype: torch.dtype = torch.float32,
+    loss_on_prompt: bool = False,
 ) -> Batch:
-    """Pack `samples` (dicts with input_ids, prompt_len and optionally hidden (L, H))."""
+    """Pack `samples` (dicts with input_ids, prompt_len and optionally hidden (L, H)).
+
+    Nodes whose label is a response token carry loss; with `loss_on_prompt`, every node
+    with a label does (after the first token, which nothing predicts).
+    """
     layouts, seqs = [], []
     for s in samples:
         ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[:max_seq_len]  # (L,)
@@ -78,8 +83,8 @@ def collate(
         fields["teacher_idx"][b, :m] = teacher
         fields["label"][b, :m] = entries[teacher]  # x_{a+d+2}
         mask_idx[b, :m] = torch.where(lay.depth > 0, lay.depth - 1, -1)
-        prompt_len = int(s["prompt_len"])
-        loss_mask[b, :m] = has_label & (teacher + 1 >= prompt_len)  # label x_{teacher+1} is a response token
+        prompt_len = 1 if loss_on_prompt else int(s["prompt_len"])
+        loss_mask[b, :m] = has_label & (teacher + 1 >= prompt_len)  # label x_{teacher+1} is past the prompt
         attn[b, 0, :m, :m] = lay.additive_mask(dtype)[0, 0]
     hidden = None
     if samples and samples[0].get("hidden") is not None:

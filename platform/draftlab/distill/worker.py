@@ -204,7 +204,10 @@ def train_fn_per_worker(config: dict) -> dict:
     while state["epoch"] < cfg.train.epochs and not stop:
         batches = epoch_batches(len(train), cfg.train.batch_size, state["epoch"], cfg.train.seed, rank, world)
         for idx in batches[state["batch"] :]:
-            batch = collate([train[i] for i in idx], k, cfg.train.max_seq_len, cfg.train.drop_tokens, gen).to(device)
+            batch = collate(
+                [train[i] for i in idx], k, cfg.train.max_seq_len, cfg.train.drop_tokens, gen,
+                loss_on_prompt=cfg.train.loss_on_prompt,
+            ).to(device)
             for g in optimizer.param_groups:
                 g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps)
             with autocast(cfg, device):
