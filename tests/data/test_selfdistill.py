@@ -22,6 +22,7 @@ from draftlab.data.selfdistill import (
     dataset_key,
     generation_spec,
     load_or_generate,
+    prompts_cache_file,
     shard_dir,
 )
 from draftlab.data.sources import dedup_key, junk_reason, load_prompts_from_source, reject_reason
@@ -286,6 +287,28 @@ def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny
     assert all(len(ids) - n <= 5 for ids, n in zip(dsd["train"]["input_ids"], dsd["train"]["prompt_len"], strict=True))
     write_jsonl(copy, [{"prompt": p} for p in reversed(PROMPTS)])  # edited in place
     assert dataset_key(data, tiny.fingerprint) != old_key
+
+
+def test_prompts_are_cached_apart_from_generation_settings(ray_local, data_cfg, tiny, tmp_path, monkeypatch):
+    from draftlab.data import sources
+
+    data = data_cfg.model_copy(update={"max_new_tokens": 4, "cache_dir": str(tmp_path)})
+    first = load_or_generate(data, TINY, progress=False)
+    cached = prompts_cache_file(data, tiny.fingerprint)
+    assert json.loads(cached.read_text()) == PROMPTS
+
+    def no_source(*args, **kwargs):
+        raise AssertionError("the cached prompt list should have been reused")
+
+    monkeypatch.setattr(sources, "load_prompts_from_source", no_source)
+    longer = data.model_copy(update={"max_new_tokens": 6})  # a new dataset key, the same prompts
+    assert prompts_cache_file(longer, tiny.fingerprint) == cached
+    assert cache_path(longer, tiny.fingerprint) != cache_path(data, tiny.fingerprint)
+    again = load_or_generate(longer, TINY, progress=False)
+    assert samples(again) != samples(first)  # longer responses
+    assert [r["prompt"] for r in samples(again)] == [r["prompt"] for r in samples(first)]
+    other_source = data.source.model_copy(update={"num_prompts": 4})
+    assert prompts_cache_file(data.model_copy(update={"source": other_source}), tiny.fingerprint) != cached
 
 
 def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_path, caplog):

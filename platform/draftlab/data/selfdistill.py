@@ -285,8 +285,6 @@ def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> t
     A resumed run keeps the recorded shard size even if `data.shard_size` changed, so the
     finished shards still line up with the prompts.
     """
-    from draftlab.data.sources import load_prompts_from_source
-
     plan = work / "prompts.json"
     if plan.is_file():
         saved = json.loads(plan.read_text())
@@ -295,12 +293,42 @@ def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> t
                 "resuming with the recorded shard_size=%d (config says %d)", saved["shard_size"], data.shard_size
             )
         return saved["prompts"], saved["shard_size"]
-    prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size)
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = plan.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps({"shard_size": data.shard_size, "prompts": prompts}, ensure_ascii=False))
-    os.replace(tmp, plan)
+    prompts = _cached_prompts(data, target, progress)
+    _write_json_atomic(plan, {"shard_size": data.shard_size, "prompts": prompts})
     return prompts, data.shard_size
+
+
+def _write_json_atomic(dest: Path, obj) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(obj, ensure_ascii=False))
+    os.replace(tmp, dest)
+
+
+def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
+    """Where the prompt list of this source is cached, apart from any generation setting:
+    changing `max_new_tokens` or `temperature` reuses the prompts (magpie ones are costly)."""
+    inputs = {
+        "format": FORMAT_VERSION,
+        "target": target_fingerprint,
+        "source": data.source.model_dump(mode="json"),
+        "source_files": _source_stamp(data.source),
+        "magpie_batch_size": data.batch_size if data.source.kind == "magpie" else None,
+    }
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root(data) / "prompts" / f"{digest}.json"
+
+
+def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:
+    from draftlab.data.sources import load_prompts_from_source
+
+    cached = prompts_cache_file(data, target.fingerprint)
+    if cached.is_file():
+        logger.info("prompts: reusing %s", cached)
+        return json.loads(cached.read_text())
+    prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size)
+    _write_json_atomic(cached, prompts)
+    return prompts
 
 
 def _run_shards(
