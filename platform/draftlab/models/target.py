@@ -133,6 +133,10 @@ def freeze(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def _contiguous_input(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def load_target(spec: TargetSpec | str) -> Target:
     """Load a frozen target from a preset name, hub id, local directory or GGUF file."""
     from draftlab.models.presets import PRESETS, available_presets
@@ -170,6 +174,10 @@ def load_target(spec: TargetSpec | str) -> Target:
                 ) from None
     model = freeze(model.to(device=device, dtype=dtype))
     attention.install(model)
+    # HF generate's prefill hands the LM head a strided (B, 1, H) slice; torch's matmul then
+    # broadcasts the (H, V) weight to (B, H, V) and copies it (GBs at V=49k). Contiguous
+    # input keeps it one matmul.
+    model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = eos if eos is not None else tokenizer.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
