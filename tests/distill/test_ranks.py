@@ -1,0 +1,46 @@
+"""Per-depth rank acceptance: the conditioning rule by hand, and agreement with evaluation."""
+
+import torch
+
+from draftlab.config import TargetSpec, TrainConfig
+from draftlab.distill.batching import collate
+from draftlab.distill.objective import DistillModule, loss_and_backward
+from draftlab.distill.ranks import conditional_rates, rank_acceptance
+from draftlab.distill.worker import teacher_states
+from draftlab.models.drafters import init_drafter
+from draftlab.models.target import load_target
+
+
+def test_conditional_rates_by_hand():
+    # anchors x depths; -1 = no node at that depth (the sequence ended), R = 2
+    table = torch.tensor([
+        [0, 0, 1],
+        [1, 0, -1],
+        [0, 2, 0],   # rank 2 >= R at depth 2: never reaches depth 3
+        [3, 0, 0],   # rank 3 at depth 1: reaches nothing deeper
+        [-1, -1, -1],
+    ])
+    hits, reach = conditional_rates(table, max_ranks=2)
+    assert reach.tolist() == [4, 3, 1]
+    assert hits.tolist() == [[2, 1], [2, 0], [0, 1]]
+
+
+def test_depth1_rank0_equals_evaluated_agreement():
+    tiny = load_target(TargetSpec(name="tiny-llama", dtype="float32"))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, tiny.vocab_size, (40,), generator=g).tolist(), "prompt_len": 5} for _ in range(4)]
+    drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
+    batch = collate(rows, 3, 512, False, None)
+    hidden = teacher_states(tiny, batch)
+    module, cfg = DistillModule(drafter), TrainConfig()
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    for _ in range(40):  # overfit a little so that agreement is far from 0
+        loss_and_backward(module, drafter, batch, hidden, cfg, 3)
+        opt.step()
+        opt.zero_grad()
+    stats = loss_and_backward(module, drafter, batch, hidden, cfg, 3, backward=False)
+    assert stats.accuracy[0] > 0.3
+    acc = rank_acceptance(drafter, tiny, rows, k=3, max_ranks=3, batch_size=2)
+    assert len(acc) == 3 and all(len(row) == 3 for row in acc)
+    assert all(0.0 <= a <= 1.0 for row in acc for a in row) and all(sum(row) <= 1.0 + 1e-9 for row in acc)
+    assert abs(acc[0][0] - stats.accuracy[0]) < 1e-9
