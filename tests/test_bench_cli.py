@@ -60,6 +60,21 @@ def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):
     assert set(report["methods"]["draftlab_chain"]["by_category"]) == {"math", "default"}
 
 
+def test_bench_defaults_to_the_drafters_k_and_tree(tmp_path, tiny):
+    from draftlab.decoding.tree import Tree
+    from draftlab.models.drafters import init_drafter
+
+    saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
+    (saved / "tree.json").write_text(Tree.from_paths([[0], [1], [0, 0]]).to_json())
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1",
+               "--max-new-tokens", "8", "--methods", "draftlab_chain,draftlab_tree", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["k"] == 3  # not the init default of 4: this drafter has 2 masks
+    assert report["tree"] == str(saved / "tree.json") and report["tree_nodes"] == 3
+
+
 @pytest.mark.parametrize(
     "args,msg",
     [

@@ -109,8 +109,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_target(cfg.target)
     drafter = None
     if cfg.drafter is not None and any(m.startswith("draftlab_") for m in cfg.methods):
-        depth_needed = load_tree(cfg.tree).depth if "draftlab_tree" in cfg.methods else cfg.k
-        drafter = resolve_drafter(cfg.drafter, target, k=max(cfg.k, depth_needed), depth=cfg.depth, seed=cfg.seed)
+        saved = None if cfg.drafter.startswith("init:") else Path(cfg.drafter)
+        if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
+            cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
+        k = cfg.k or 4
+        depth_needed = load_tree(cfg.tree or "default").depth if "draftlab_tree" in cfg.methods else k
+        drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)
     return bench_loaded(target, drafter, cfg, progress)
 
 
@@ -130,11 +134,12 @@ def bench_loaded(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, p
         runners["hf_generate"] = _hf_runner(target, params)
     if "hf_prompt_lookup" in methods:
         runners["hf_prompt_lookup"] = _hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
-    tree = None
+    tree, k = None, cfg.k
     if spec_methods:
-        tree = load_tree(cfg.tree)
+        tree = load_tree(cfg.tree or "default")
+        k = cfg.k or drafter.cfg.k
         if "draftlab_chain" in methods:
-            runners["draftlab_chain"] = _engine_runner(SpeculativeDecoder(target, drafter, Tree.chain(cfg.k)).generate, params)
+            runners["draftlab_chain"] = _engine_runner(SpeculativeDecoder(target, drafter, Tree.chain(k)).generate, params)
         if "draftlab_tree" in methods:
             runners["draftlab_tree"] = _engine_runner(SpeculativeDecoder(target, drafter, tree).generate, params)
 
@@ -169,7 +174,7 @@ def bench_loaded(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, p
         "greedy_identical": identical,
         "greedy_checked": params.greedy and bool(spec_methods),
         "temperature": cfg.temperature,
-        "k": cfg.k,
+        "k": k,
         "tree": tree.name if tree else None,
         "tree_nodes": tree.num_nodes if tree else None,
         "drafter_parameters": drafter.num_parameters() if drafter else None,

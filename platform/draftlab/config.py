@@ -74,12 +74,14 @@ class BenchConfig(StrictModel):
     """Use only the first N prompts."""
     max_new_tokens: int = Field(128, ge=1, le=32768)
     """New tokens per prompt."""
-    k: int = Field(4, ge=1, le=64)
-    """Draft length for the chain method (<= the drafter's trained K for `parallel`)."""
+    k: int | None = Field(None, ge=1, le=64)
+    """Draft length for the chain method (<= the drafter's trained K for `parallel`);
+    None = the drafter's K (4 for an `init:` drafter)."""
     depth: int = Field(1, ge=1, le=32)
     """Decoder layers of an `init:` drafter (a saved drafter keeps its own)."""
-    tree: str = "default"
-    """Tree for `draftlab_tree`: a preset name or a JSON file of rank paths."""
+    tree: str | None = None
+    """Tree for `draftlab_tree`: a preset name or a JSON file of rank paths; None = the
+    drafter directory's `tree.json` (written by `draftlab distill`), else `default`."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     """0 = greedy (the only mode in which `greedy_identical` is checked)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
