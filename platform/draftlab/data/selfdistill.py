@@ -80,10 +80,13 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
     }
 
 
+def _digest(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def dataset_key(data: DataConfig, target_fingerprint: str) -> str:
     """Stable hex digest of `key_inputs`: the cache directory's name."""
-    blob = json.dumps(key_inputs(data, target_fingerprint), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
+    return _digest(key_inputs(data, target_fingerprint))
 
 
 def cache_root(data: DataConfig) -> Path:
@@ -308,15 +311,10 @@ def _write_json_atomic(dest: Path, obj) -> None:
 def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
     """Where the prompt list of this source is cached, apart from any generation setting:
     changing `max_new_tokens` or `temperature` reuses the prompts (magpie ones are costly)."""
-    inputs = {
-        "format": FORMAT_VERSION,
-        "target": target_fingerprint,
-        "source": data.source.model_dump(mode="json"),
-        "source_files": _source_stamp(data.source),
-        "magpie_batch_size": data.batch_size if data.source.kind == "magpie" else None,
-    }
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root(data) / "prompts" / f"{digest}.json"
+    keys = key_inputs(data, target_fingerprint)
+    inputs = {name: keys[name] for name in ("format", "target", "source", "source_files")}
+    inputs["magpie_batch_size"] = data.batch_size if data.source.kind == "magpie" else None
+    return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
 
 
 def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:

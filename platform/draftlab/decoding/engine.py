@@ -4,8 +4,8 @@ Invariants between rounds (n = committed tokens so far, prompt included):
   * the target cache holds tokens 0..n-2; token n-1 (the last bonus, `root`) is not in it;
   * the drafter has `pending` entries (token x_t, target hidden h_{t-1}) not yet committed.
 A round: the drafter commits `pending` and drafts; the target verifies root + drafts in one
-forward (4D tree mask, position = n-1 + depth); the walk accepts a path; the target cache
-keeps root + accepted rows; the accepted tokens and the bonus become the next `pending`.
+forward (each row attends to the context and its tree ancestors, position = n-1 + depth);
+the walk accepts a path; the target cache keeps root + accepted rows; the accepted tokens and the bonus become the next `pending`.
 
 Greedy output equals target-only greedy decoding token for token; sampled output has the
 target's distribution (see `acceptance.py`).
@@ -152,21 +152,12 @@ class SpeculativeDecoder:
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
         # Tree columns of the additive verify mask: 0 where a node sees an ancestor/itself.
-        neg = torch.finfo(target.dtype).min
-        self._tree_mask = torch.zeros(tree.num_nodes + 1, tree.num_nodes + 1, dtype=target.dtype, device=dev)
-        self._tree_mask.masked_fill_(~tree.ancestor_mask.to(dev), neg)  # (N+1, N+1)
         # Block columns each node sees (its ancestors and itself, in cache order).
         self._seen = [row.nonzero()[:, 0].to(dev) for row in tree.ancestor_mask]  # N+1 x (depth+1,)
 
-    def _verify_mask(self, ctx: int) -> torch.Tensor | None:
-        if self.tree.is_chain:
-            return None  # a chain's ancestor mask is the causal mask: use the fast path
-        n = self.tree.num_nodes + 1
-        ctx_cols = torch.zeros(n, ctx, dtype=self._tree_mask.dtype, device=self._tree_mask.device)
-        return torch.cat([ctx_cols, self._tree_mask], dim=1)  # (N+1, ctx + N+1)
-
     def _verify_rows(self, ctx: int) -> list:
-        """Keys each verified row sees, for row-exact attention (see models/attention.py)."""
+        """Keys each verified row sees (the context, then its ancestors and itself): the tree
+        mask, applied by row-exact attention (see models/attention.py)."""
         if self.tree.is_chain:
             return [ctx + i + 1 for i in range(self.tree.num_nodes + 1)]  # causal prefixes
         prefix = torch.arange(ctx, device=self.target.device)
@@ -201,7 +192,7 @@ class SpeculativeDecoder:
             else:
                 nodes = tree.node_tokens(root, dlogits)  # (N+1,)
             t1 = time.perf_counter()
-            logits, hid = target.forward(nodes, ctx + self._depths, cache, self._verify_mask(ctx), self._verify_rows(ctx))
+            logits, hid = target.forward(nodes, ctx + self._depths, cache, rows=self._verify_rows(ctx))
             node_list = nodes.tolist()
             if params.greedy:
                 accepted, bonus = greedy_walk(tree, node_list, logits)

@@ -21,6 +21,11 @@ from draftlab.models.drafters.network import DrafterNet
 CHUNK_NODES = 512  # nodes per loss chunk: bounds (chunk, V) float32 logits to ~100 MB at V=49k
 
 
+def gather_states(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(B, L, H) states, (B, M) positions -> (B, M, H) the state at each node's position."""
+    return torch.gather(hidden, 1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
 class DistillModule(nn.Module):
     def __init__(self, drafter: DrafterNet):
         super().__init__()
@@ -28,7 +33,7 @@ class DistillModule(nn.Module):
 
     def forward(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (B, L, H) target states -> (B, M, H) drafter outputs for every node."""
-        anchor_h = torch.gather(hidden, 1, batch.node_anchor[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, M, H)
+        anchor_h = gather_states(hidden, batch.node_anchor)  # (B, M, H)
         x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, H)
         return self.drafter(x, batch.position_ids, attention_mask=batch.attn_mask)  # (B, M, H)
 
@@ -111,7 +116,7 @@ def loss_and_backward(
     sel = batch.loss_mask  # (B, M)
     n_total = max(int(sel.sum()), 1)
     flat_out = out.detach()[sel]  # (N, H): the loss runs on detached outputs, chunk by chunk
-    teacher = torch.gather(hidden, 1, batch.teacher_idx[..., None].expand(-1, -1, hidden.shape[-1]))[sel]  # (N, H)
+    teacher = gather_states(hidden, batch.teacher_idx)[sel]  # (N, H)
     label, depth = batch.label[sel], batch.depth[sel]  # (N,), (N,)
     stats = Stats(k)
     grads = []

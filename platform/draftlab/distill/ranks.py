@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import CHUNK_NODES, DistillModule
+from draftlab.distill.objective import CHUNK_NODES, DistillModule, gather_states
+from draftlab.distill.worker import teacher_states
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
 
@@ -60,8 +61,6 @@ def rank_acceptance(
     batch_size: int = 8,
 ) -> list[list[float]]:
     """(k, max_ranks) conditional acceptance rates acc[d][r] (see the module docstring)."""
-    from draftlab.distill.worker import teacher_states
-
     module = DistillModule(drafter).eval()
     hits = torch.zeros(k, max_ranks, dtype=torch.long)
     reach = torch.zeros(k, dtype=torch.long)
@@ -69,7 +68,7 @@ def rank_acceptance(
         batch = collate(rows[i : i + batch_size], k, max_seq_len, False, None).to(target.device)
         hidden = teacher_states(target, batch)  # (B, L, H)
         out = module(batch, hidden)  # (B, M, H)
-        teacher = torch.gather(hidden, 1, batch.teacher_idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        teacher = gather_states(hidden, batch.teacher_idx)  # (B, M, H)
         sel = batch.loss_mask  # (B, M)
         rank = _target_ranks(drafter, target, out[sel], teacher[sel]).cpu()  # (N,)
         b_idx = torch.arange(sel.shape[0], device=sel.device)[:, None].expand_as(sel)[sel].cpu()

@@ -59,18 +59,12 @@ class Target:
         ids: torch.Tensor,  # (T,) new tokens
         positions: torch.Tensor,  # (T,) absolute positions
         cache: DynamicCache,
-        mask: torch.Tensor | None = None,  # (T, ctx + T) additive, or None = causal
-        rows: list | None = None,  # per row, the keys it sees: row-exact attention (attention.py)
+        rows: list | None = None,  # per row, the keys it sees (None = causal); see attention.py
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `ids` to `cache`; return logits (T, V) float32 and hidden (T, H)."""
         extra = {} if rows is None else {"draftlab_rows": rows}
         out = self.model.get_decoder()(
-            input_ids=ids[None],
-            position_ids=positions[None],
-            past_key_values=cache,
-            attention_mask=None if mask is None else mask[None, None],  # (1, 1, T, ctx+T)
-            use_cache=True,
-            **extra,
+            input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True, **extra
         )
         hidden = out.last_hidden_state[0]  # (T, H), after the final norm
         return self.lm_head(hidden).float(), hidden
