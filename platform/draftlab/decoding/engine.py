@@ -5,7 +5,8 @@ Invariants between rounds (n = committed tokens so far, prompt included):
   * the drafter has `pending` entries (token x_t, target hidden h_{t-1}) not yet committed.
 A round: the drafter commits `pending` and drafts; the target verifies root + drafts in one
 forward (each row attends to the context and its tree ancestors, position = n-1 + depth);
-the walk accepts a path; the target cache keeps root + accepted rows; the accepted tokens and the bonus become the next `pending`.
+the walk accepts a path; the target cache keeps root + accepted rows; the accepted tokens
+and the bonus become the next `pending`.
 
 Greedy output equals target-only greedy decoding token for token; sampled output has the
 target's distribution (see `acceptance.py`).
