@@ -1,9 +1,9 @@
-"""Row-exact verification attention: a verified block reproduces token-by-token decoding.
+"""Row-exact attention: a verified block reproduces token-by-token decoding bit for bit.
 
-The model is a random GQA Llama (4 query heads on 2 KV heads of dim 64): with a 30-token
-context, plain SDPA over the whole block gives a first row that differs in the last bits
-from decoding that token alone (pack_gqa for one query vs. one masked block), which is
-what row-exact attention must remove.
+The model is a random GQA Llama (4 query heads on 2 KV heads of dim 64) in bfloat16. With a
+30-token context, plain SDPA over a block, or key counts padded to anything but whole
+16-key blocks, gives rows that differ in the last bits from decoding (the tests fail with
+`attention.BLOCK = 1`): that is what row-exact attention must remove.
 """
 
 import pytest
@@ -44,8 +44,8 @@ def tiny_bf16(tiny):
     return Target("gqa-bf16", model, tiny.tokenizer, "random")
 
 
-def test_chain_block_equals_token_by_token_bitwise(tiny_bf16):
-    path = [4, 9, 33, 12, 6]
+@pytest.mark.parametrize("path", [[4, 9, 33, 12, 6], [7, 1, 2, 40, 5, 5, 8, 19, 3, 11, 6, 2, 9, 30]])
+def test_chain_block_equals_token_by_token_bitwise(tiny_bf16, path):
     ctx = len(PREFIX)
     cache = _prefilled(tiny_bf16)
     rows = [ctx + i + 1 for i in range(len(path))]
@@ -59,9 +59,12 @@ def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16):
     ctx = len(PREFIX)
     cache = _prefilled(tiny_bf16)
     seen = [row.nonzero()[:, 0] for row in tree.ancestor_mask]
-    rows = [torch.cat([torch.arange(ctx), ctx + s]) for s in seen]
+    plan = attention.RowPlan.tree(ctx, torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen]))
+    explicit = attention.RowPlan.build([torch.cat([torch.arange(ctx), ctx + s]) for s in seen])
+    assert torch.equal(plan.mask, explicit.mask)
+    assert torch.equal(plan.index[plan.mask[:, 0, 0]], explicit.index[explicit.mask[:, 0, 0]])
     positions = ctx + tree.depths
-    block, _ = tiny_bf16.forward(torch.tensor(tokens), positions, cache, rows=rows)
+    block, _ = tiny_bf16.forward(torch.tensor(tokens), positions, cache, rows=plan)
     for node, s in enumerate(seen):  # each node's row equals decoding its root-to-node path
         path = [tokens[i] for i in s.tolist()]
         assert torch.equal(block[node], _stepwise(tiny_bf16, path)[-1]), f"node {node}"

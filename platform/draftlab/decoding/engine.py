@@ -24,6 +24,7 @@ from draftlab.decoding.acceptance import greedy_walk, process_logits, sample, sa
 from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.stopping import Stopper
 from draftlab.decoding.tree import Tree
+from draftlab.models.attention import RowPlan
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
 
@@ -152,17 +153,17 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.tree = target, drafter, tree
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
-        # Tree columns of the additive verify mask: 0 where a node sees an ancestor/itself.
-        # Block columns each node sees (its ancestors and itself, in cache order).
-        self._seen = [row.nonzero()[:, 0].to(dev) for row in tree.ancestor_mask]  # N+1 x (depth+1,)
+        # Block rows each node sees (its ancestors and itself, in order), zero-padded.
+        seen = [row.nonzero()[:, 0] for row in tree.ancestor_mask]  # N+1 x (depth_i + 1,)
+        self._ancestors = torch.nn.utils.rnn.pad_sequence(seen, batch_first=True).to(dev)  # (N+1, depth+1)
+        self._counts = torch.tensor([len(s) for s in seen], device=dev)  # (N+1,)
 
-    def _verify_rows(self, ctx: int) -> list:
+    def _verify_rows(self, ctx: int) -> list | RowPlan:
         """Keys each verified row sees (the context, then its ancestors and itself): the tree
         mask, applied by row-exact attention (see models/attention.py)."""
         if self.tree.is_chain:
             return [ctx + i + 1 for i in range(self.tree.num_nodes + 1)]  # causal prefixes
-        prefix = torch.arange(ctx, device=self.target.device)
-        return [torch.cat([prefix, ctx + seen]) for seen in self._seen]
+        return RowPlan.tree(ctx, self._ancestors, self._counts)
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], params: SamplingParams) -> GenerationResult:

@@ -1,52 +1,122 @@
-"""Row-exact verification attention: each verified row is computed as decoding would.
+"""Row-exact attention: a verified row is computed bit for bit as decoding computes it.
 
 A speculative round verifies T tokens in one target forward, while target-only decoding
 computes the same rows one token at a time. Linear layers give the same bits for a row
-whatever the number of rows beside it on AMX bf16 (oneDNN), but fused attention kernels
-block the queries and the keys differently for T > 1 than for T == 1, so row i of a
-block can differ in the last bits from the token-by-token row, and in bfloat16 that
-flips near-tie argmaxes: greedy speculative output would drift from greedy decoding.
+whatever the number of rows beside it (oneDNN's AMX bf16 matmuls), but a fused attention
+kernel blocks a T-row query block differently from a single query, and a key count that is
+not a whole number of its vector blocks takes a tail path: row i of a block can differ in
+the last bits from the token-by-token row, which in bfloat16 flips near-tie argmaxes, so
+greedy speculative output would drift from greedy decoding.
 
-This attention (registered with transformers as `draftlab`) is plain SDPA unless the
-caller passes `draftlab_rows`: then row i attends with its own SDPA call, q_len == 1 and no
-mask, to exactly the keys it may see, in cache order (the context, then its tree
-ancestors and itself) - the same call, on the same keys, that decoding makes for it.
-The price is T small attention calls per layer instead of one.
+This attention (registered with transformers as `draftlab`) removes both sources. Given a
+`RowPlan` (the caller's `draftlab_rows`), every query row becomes its own batch entry
+(q_len == 1) over the keys it may see - in cache order, the context then its tree ancestors
+and itself - padded with masked keys to a whole number of BLOCK keys. Fully masked key
+blocks add exact zeros, so a row's result depends only on its own visible keys: the
+target's decode step (`Target.forward` with one token) and a verify block of any width go
+through this same call and agree bit for bit. It is one SDPA call per layer for the whole
+block. Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "draftlab"
-Rows = list  # per query row: an int (it sees keys [0, n)) or a LongTensor of key indices
+BLOCK = 16  # key padding granule: a multiple of the CPU flash kernel's vector block
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which cache keys each query row sees, padded to a multiple of BLOCK keys.
+
+    Build it once per forward with `RowPlan.build(rows)`; every layer reuses it.
+    """
+
+    mask: torch.Tensor  # (T, 1, 1, Lp) bool: key j is visible to row i
+    index: torch.Tensor | None  # (T, Lp) cache indices of row i's keys; None = causal prefixes
+
+    @property
+    def num_rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def num_keys(self) -> int:
+        return self.mask.shape[-1]
+
+    @classmethod
+    def build(cls, rows: list, device: torch.device | str = "cpu") -> RowPlan:
+        """rows[i]: an int n (row i sees cache keys 0..n-1) or a LongTensor of the cache
+        indices it sees, in order (context, then its tree ancestors and itself)."""
+        if not rows:
+            raise ValueError("a row plan needs at least one row")
+        prefixes = all(isinstance(r, int) for r in rows)
+        lengths = torch.tensor([r if prefixes else len(r) for r in rows], device=device)  # (T,)
+        keys = -(-int(lengths.max()) // BLOCK) * BLOCK  # Lp
+        visible = torch.arange(keys, device=device)[None, :] < lengths[:, None]  # (T, Lp)
+        index = None
+        if not prefixes:
+            index = torch.zeros(len(rows), keys, dtype=torch.long, device=device)  # pads -> key 0, masked
+            for i, r in enumerate(rows):
+                index[i, : len(r)] = r
+        return cls(visible[:, None, None, :], index)
+
+    @classmethod
+    def tree(cls, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> RowPlan:
+        """Rows of a tree block appended after `ctx` cached keys: row i sees the context,
+        then block rows `ancestors[i, :counts[i]]` (its ancestors and itself, in order).
+
+        ancestors: (T, A) block offsets, padded with anything; counts: (T,).
+        """
+        keys = -(-(ctx + int(counts.max())) // BLOCK) * BLOCK  # Lp
+        cols = torch.arange(keys, device=ancestors.device)  # (Lp,)
+        slot = (cols - ctx).clamp(0, ancestors.shape[1] - 1)  # (Lp,) ancestor slot of a block column
+        index = torch.where(cols < ctx, cols, ctx + ancestors[:, slot])  # (T, Lp)
+        visible = cols[None, :] < (ctx + counts)[:, None]  # (T, Lp)
+        return cls(visible[:, None, None, :], index)
 
 
 def row_exact_attention(
     module: torch.nn.Module,
-    query: torch.Tensor,  # (B, heads, T, d)
-    key: torch.Tensor,  # (B, kv_heads, S, d), the cache included
-    value: torch.Tensor,  # (B, kv_heads, S, d)
+    query: torch.Tensor,  # (1, heads, T, d)
+    key: torch.Tensor,  # (1, kv_heads, S, d), the cache included
+    value: torch.Tensor,  # (1, kv_heads, S, d)
     attention_mask: torch.Tensor | None,
-    draftlab_rows: Rows | None = None,
+    draftlab_rows: RowPlan | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if draftlab_rows is None:
+    plan = draftlab_rows
+    if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if len(draftlab_rows) != query.shape[2]:
-        raise ValueError(f"draftlab_rows has {len(draftlab_rows)} rows for {query.shape[2]} queries")
-    outs = []
-    for i, seen in enumerate(draftlab_rows):
-        if isinstance(seen, int):
-            k, v = key[:, :, :seen].contiguous(), value[:, :, :seen].contiguous()  # (B, kv, n, d)
-        else:
-            k, v = key.index_select(2, seen), value.index_select(2, seen)  # (B, kv, n, d)
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, **kwargs)
-        outs.append(out)  # (B, 1, heads, d)
-    return torch.cat(outs, dim=1), None  # (B, T, heads, d)
+    rows, keys = query.shape[2], plan.num_keys
+    if query.shape[0] != 1:
+        raise ValueError(f"row-exact attention runs one sequence at a time, got a batch of {query.shape[0]}")
+    if plan.num_rows != rows:
+        raise ValueError(f"row plan has {plan.num_rows} rows for {rows} queries")
+    if plan.index is None:
+        if keys < key.shape[2]:
+            raise ValueError(f"row plan covers {keys} keys but the cache has {key.shape[2]}")
+        pad = (0, 0, 0, keys - key.shape[2])
+        k = F.pad(key, pad).expand(rows, -1, -1, -1)  # (T, kv, Lp, d), no copy per row
+        v = F.pad(value, pad).expand(rows, -1, -1, -1)
+    else:
+        k = key[0][:, plan.index].transpose(0, 1)  # (kv, T, Lp, d) -> (T, kv, Lp, d)
+        v = value[0][:, plan.index].transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 2),  # (T, heads, 1, d): each row its own batch entry
+        k,
+        v,
+        attn_mask=plan.mask,
+        scale=getattr(module, "scaling", None),
+        enable_gqa=True,
+    )  # (T, heads, 1, d)
+    return out.permute(2, 0, 1, 3).contiguous(), None  # (1, T, heads, d)
 
 
 def install(model) -> None:

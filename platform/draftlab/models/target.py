@@ -59,9 +59,17 @@ class Target:
         ids: torch.Tensor,  # (T,) new tokens
         positions: torch.Tensor,  # (T,) absolute positions
         cache: DynamicCache,
-        rows: list | None = None,  # per row, the keys it sees (None = causal); see attention.py
+        rows: list | attention.RowPlan | None = None,  # keys per row; see attention.RowPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `ids` to `cache`; return logits (T, V) float32 and hidden (T, H)."""
+        """Append `ids` to `cache`; return logits (T, V) float32 and hidden (T, H).
+
+        A decode step (one token) and a verify block (`rows` given) use row-exact attention,
+        so verified rows equal decoded rows bit for bit; a prefill (T > 1, no `rows`) is
+        plain causal SDPA."""
+        if rows is None and ids.numel() == 1:
+            rows = [cache.get_seq_length() + 1]  # the step sees the whole cache and itself
+        if isinstance(rows, list):
+            rows = attention.RowPlan.build(rows, self.device)
         extra = {} if rows is None else {"draftlab_rows": rows}
         out = self.model.get_decoder()(
             input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True, **extra
