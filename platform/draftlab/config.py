@@ -175,6 +175,12 @@ def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -
 # --- distillation ([2/6]) ---------------------------------------------------------------
 
 
+MAGPIE_SEEDS = (
+    "", "Write a", "Explain", "How do I", "What is", "Can you help me", "Write a Python function",
+    "Solve", "Translate", "Summarize", "Give me", "Why", "Compare", "List", "Describe", "Imagine you are",
+)
+
+
 class PromptSourceConfig(StrictModel):
     """Where training prompts come from."""
 
@@ -198,6 +204,10 @@ class PromptSourceConfig(StrictModel):
     """Drop prompts shorter than this."""
     max_prompt_tokens: int = Field(128, ge=4)
     """Drop (dataset) or cap (magpie) prompts longer than this many target tokens."""
+    magpie_seeds: list[str] = Field(default_factory=lambda: list(MAGPIE_SEEDS), min_length=1)
+    """`magpie`: openings of the user turns, used in turn (one per sampling batch); `""` is
+    the bare header. Task openings spread the prompts over task types (code, maths,
+    translation, summaries, ...) that a small model rarely writes unprompted."""
     magpie_temperature: float = Field(1.0, gt=0.0)
     """`magpie`: sampling temperature for prompt writing."""
     magpie_top_p: float = Field(0.95, gt=0.0, le=1.0)
@@ -342,8 +352,17 @@ class BenchSpec(StrictModel):
     """First N prompts only."""
     max_new_tokens: int = Field(128, ge=1)
     """New tokens per prompt."""
-    tree: str = "default"
-    """Tree for the tree method."""
+    tree: str = "searched"
+    """Tree for the tree method, saved as the drafter's `tree.json`: `searched` = the tree
+    with the best predicted speedup, from this drafter's held-out rank acceptance and this
+    hardware's measured verify and drafting costs (see distill/tree_select.py); or a preset
+    name, `chain-<k>`, or a JSON file of rank paths."""
+    search_budgets: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16], min_length=1)
+    """`searched`: node budgets whose optimal trees are compared."""
+    search_ranks: int = Field(4, ge=1, le=16)
+    """`searched`: top-R drafter tokens per depth that tree nodes may use."""
+    search_context: int = Field(192, ge=1)
+    """`searched`: cached context length at which verify and drafting costs are timed."""
     methods: list[str] = Field(default_factory=lambda: ["ar", "draftlab_chain", "draftlab_tree"])
     """Bench methods to run."""
 

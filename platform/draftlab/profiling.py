@@ -19,8 +19,10 @@ from tqdm import tqdm
 
 from draftlab.config import ProfileConfig
 from draftlab.decoding.cache import keep_rows
+from draftlab.decoding.engine import verify_plan
+from draftlab.decoding.tree import Tree
 from draftlab.hardware import describe_device, sync
-from draftlab.models.drafters.network import init_drafter
+from draftlab.models.drafters.network import DrafterNet, init_drafter
 from draftlab.models.target import Target, load_target
 
 
@@ -36,47 +38,69 @@ def _median_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> fl
     return statistics.median(times)
 
 
-def profile_target(target: Target, context: int, sizes: list[int], repeats: int) -> dict[str, float]:
-    dev = target.device
+def _cached_context(target: Target, context: int) -> tuple[object, torch.Generator]:
     gen = torch.Generator().manual_seed(0)
-    ctx_ids = torch.randint(0, target.vocab_size, (context,), generator=gen).to(dev)
+    ids = torch.randint(0, target.vocab_size, (context,), generator=gen).to(target.device)
     cache = target.new_cache()
-    target.forward(ctx_ids, torch.arange(context, device=dev), cache)
-    out = {}
-    for n in tqdm(sizes, desc="target forward", leave=False):
-        ids = torch.randint(0, target.vocab_size, (n,), generator=gen).to(dev)
-        pos = torch.arange(context, context + n, device=dev)
+    target.forward(ids, torch.arange(context, device=target.device), cache)
+    return cache, gen
 
-        def step(ids=ids, pos=pos):
-            target.forward(ids, pos, cache)
+
+def verify_ms(target: Target, trees: list[Tree | None], context: int, repeats: int, progress: bool = False) -> list[float]:
+    """Median ms of one verify forward of each tree (root + nodes, row-exact attention, as
+    the engine runs it) over `context` cached tokens; None = a decoding step (one token)."""
+    dev = target.device
+    cache, gen = _cached_context(target, context)
+    out = []
+    for tree in tqdm(trees, desc="verify cost", leave=False, disable=not progress):
+        rows, depths = None, torch.zeros(1, dtype=torch.long)
+        if tree is not None:
+            rows, depths = verify_plan(tree, context, *(t.to(dev) for t in tree.ancestor_rows)), tree.depths
+        ids = torch.randint(0, target.vocab_size, (len(depths),), generator=gen).to(dev)
+        pos = context + depths.to(dev)
+
+        def step(ids=ids, pos=pos, rows=rows):
+            target.forward(ids, pos, cache, rows=rows)
             keep_rows(cache, context, [])  # roll back to the context
 
-        out[str(n)] = _median_ms(step, repeats, dev)
+        out.append(_median_ms(step, repeats, dev))
     return out
 
 
+def profile_target(target: Target, context: int, sizes: list[int], repeats: int) -> dict[str, float]:
+    """t_target(n): verifying an n-row chain (n = 1: a decoding step)."""
+    trees = [Tree.chain(n - 1) if n > 1 else None for n in sizes]
+    return {str(n): ms for n, ms in zip(sizes, verify_ms(target, trees, context, repeats, progress=True), strict=True)}
+
+
+def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
+    """Median ms of one drafting round of k tokens (one new committed entry) after `context`."""
+    dev, target_dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    hidden = drafter.cfg.decoder["hidden_size"]
+    ctx_tok = torch.randint(0, drafter.target_vocab_size, (context,), generator=torch.Generator().manual_seed(0)).to(dev)
+    state = drafter.new_state()
+    drafter.propose(state, ctx_tok, torch.zeros(context, hidden, device=dev, dtype=target_dtype), 1, _argmax)
+    tok, hid = torch.tensor([1], device=dev), torch.zeros(1, hidden, device=dev, dtype=target_dtype)
+
+    def step():
+        drafter.propose(state, tok, hid, k, _argmax)
+        state.cache.crop(-1)  # undo the committed entry: keep the context fixed
+        state.pos -= 1
+
+    with torch.inference_mode():
+        return _median_ms(step, repeats, dev)
+
+
+def _argmax(j: int, logits: torch.Tensor) -> int:
+    return int(logits.argmax())
+
+
 def profile_drafters(target: Target, context: int, depths: list[int], ks: list[int], repeats: int) -> dict:
-    dev = target.device
-    tok = torch.tensor([1], device=dev)
-    hid = torch.zeros(1, target.hidden_size, device=dev, dtype=target.dtype)
-    ctx_tok = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).to(dev)
-    ctx_hid = torch.zeros(context, target.hidden_size, device=dev, dtype=target.dtype)
     out: dict[str, dict[str, dict[str, float]]] = {}
     points = [(f, d) for f in ("parallel", "autoregressive") for d in depths]
     for family, depth in tqdm(points, desc="drafter", leave=False):
         drafter = init_drafter(family, target, k=max(ks), depth=depth)
-        state = drafter.new_state()
-        drafter.propose(state, ctx_tok, ctx_hid, 1, lambda j, lg: int(lg.argmax()))
-        row = {}
-        for k in ks:
-
-            def step(k=k, drafter=drafter, state=state):
-                drafter.propose(state, tok, hid, k, lambda j, lg: int(lg.argmax()))
-                state.cache.crop(-1)  # undo the committed entry: keep the context fixed
-                state.pos -= 1
-
-            row[str(k)] = _median_ms(step, repeats, dev)
-        out.setdefault(family, {})[str(depth)] = row
+        out.setdefault(family, {})[str(depth)] = {str(k): draft_ms(drafter, k, context, repeats) for k in ks}
     return out
 
 

@@ -62,7 +62,7 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     for key in ("eval/acc_pos1", "eval/sim_accept_len", "train/tokens_per_s_total", "tau", "speedup_vs_ar"):
         assert key in run.data.metrics, key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
-    assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json"}
+    assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json", "drafter/tree-search.json"}
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "drafter"}
     version = client.get_model_version(summary["registered_model"], summary["model_version"])
     assert version.run_id == run.info.run_id

@@ -39,8 +39,10 @@ import datasets
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import LogitsProcessorList
 
 from draftlab.config import DataConfig, PromptSourceConfig, TargetSpec
+from draftlab.data.sampling import TopKTopPSampler
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +165,9 @@ def generate_responses(
     eos = sorted(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    if data.temperature > 0:
-        mode = dict(do_sample=True, temperature=data.temperature, top_p=data.top_p, top_k=None)
-    else:
-        mode = dict(do_sample=False)
+    mode = {}
+    if data.temperature > 0:  # our sampler in the greedy loop: fast on CPU
+        mode = dict(logits_processor=LogitsProcessorList([TopKTopPSampler(data.temperature, data.top_p)]))
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
     responses: list[list[int]] = []
     for start in range(0, len(prompt_ids), data.batch_size):
@@ -185,6 +186,7 @@ def generate_responses(
                 max_new_tokens=data.max_new_tokens,
                 eos_token_id=eos or None,
                 pad_token_id=pad,
+                do_sample=False,
                 **mode,
             )  # (B, W + new)
         responses += [_cut_after_eos(r, set(eos)) for r in out[:, width:].tolist()]

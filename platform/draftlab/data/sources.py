@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import LogitsProcessorList
 
 from draftlab.config import PromptSourceConfig
+from draftlab.data.sampling import TopKTopPSampler
 
 logger = logging.getLogger(__name__)
 
@@ -212,30 +214,31 @@ def _end_of_turn_ids(target, tokenizer) -> list[int]:
 
 
 def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int) -> Iterator[str]:
-    """Sample user turns from the bare header, `batch_size` at a time, for `max_rounds`."""
+    """Sample user turns from the user-turn header, `batch_size` at a time, for `max_rounds`;
+    round r opens every turn of its batch with `cfg.magpie_seeds[r % len(seeds)]`."""
     tok = target.tokenizer
-    header = tok(user_turn_header(tok), add_special_tokens=False)["input_ids"]
+    header = user_turn_header(tok)
     stop = _end_of_turn_ids(target, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
-    ids = torch.tensor([header] * batch_size, device=target.device)  # (B, P), no padding needed
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
     for round_ in range(max_rounds):
+        opening = cfg.magpie_seeds[round_ % len(cfg.magpie_seeds)]
+        start = tok(header + opening, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([start] * batch_size, device=target.device)  # (B, P), no padding needed
         with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
             torch.manual_seed(cfg.seed * 1_000_003 + round_)
             out = target.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=cfg.magpie_temperature,
-                top_p=cfg.magpie_top_p,
-                top_k=None,
+                do_sample=False,  # the sampler runs in the greedy loop (fast on CPU)
+                logits_processor=LogitsProcessorList([TopKTopPSampler(cfg.magpie_temperature, cfg.magpie_top_p)]),
                 max_new_tokens=cfg.max_prompt_tokens,
                 eos_token_id=stop,
                 pad_token_id=pad,
             )  # (B, P + new)
-        for row in out[:, len(header) :].tolist():
+        for row in out[:, len(start) :].tolist():
             cut = next((i for i, t in enumerate(row) if t in stop), len(row))
-            yield tok.decode(row[:cut], skip_special_tokens=True)
+            yield opening + tok.decode(row[:cut], skip_special_tokens=True)
 
 
 # --- entry point ---------------------------------------------------------------------------

@@ -141,6 +141,15 @@ def autoregressive_generate(target: Target, prompt: list[int], params: SamplingP
     return _finish(stopper, stats, t_start)
 
 
+def verify_plan(tree: Tree, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
+    """Keys each verified row of `tree` sees after `ctx` cached tokens (the context, then its
+    ancestors and itself), for row-exact attention (see models/attention.py). A chain's rows
+    are causal prefixes; `ancestors`, `counts` = `tree.ancestor_rows` on the target's device."""
+    if tree.is_chain:
+        return [ctx + i + 1 for i in range(tree.num_nodes + 1)]
+    return RowPlan.tree(ctx, ancestors, counts)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of one request at a time with a drafter and a static tree.
 
@@ -153,17 +162,7 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.tree = target, drafter, tree
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
-        # Block rows each node sees (its ancestors and itself, in order), zero-padded.
-        seen = [row.nonzero()[:, 0] for row in tree.ancestor_mask]  # N+1 x (depth_i + 1,)
-        self._ancestors = torch.nn.utils.rnn.pad_sequence(seen, batch_first=True).to(dev)  # (N+1, depth+1)
-        self._counts = torch.tensor([len(s) for s in seen], device=dev)  # (N+1,)
-
-    def _verify_rows(self, ctx: int) -> list | RowPlan:
-        """Keys each verified row sees (the context, then its ancestors and itself): the tree
-        mask, applied by row-exact attention (see models/attention.py)."""
-        if self.tree.is_chain:
-            return [ctx + i + 1 for i in range(self.tree.num_nodes + 1)]  # causal prefixes
-        return RowPlan.tree(ctx, self._ancestors, self._counts)
+        self._ancestors, self._counts = (t.to(dev) for t in tree.ancestor_rows)
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
@@ -194,7 +193,7 @@ class SpeculativeDecoder:
             else:
                 nodes = tree.node_tokens(root, dlogits)  # (N+1,)
             t1 = time.perf_counter()
-            logits, hid = target.forward(nodes, ctx + self._depths, cache, rows=self._verify_rows(ctx))
+            logits, hid = target.forward(nodes, ctx + self._depths, cache, rows=verify_plan(tree, ctx, self._ancestors, self._counts))
             node_list = nodes.tolist()
             if params.greedy:
                 accepted, bonus = greedy_walk(tree, node_list, logits)

@@ -112,6 +112,13 @@ class Tree:
             m[i] |= m[self.parents[i]]
         return m
 
+    @cached_property
+    def ancestor_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block rows each node sees, its ancestors then itself: ((N+1, depth+1) zero-padded
+        offsets, (N+1,) counts) - the input of `attention.RowPlan.tree`."""
+        seen = [row.nonzero()[:, 0] for row in self.ancestor_mask]  # N+1 x (depth_i + 1,)
+        return torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen])
+
     def node_tokens(self, root: int, draft_logits: torch.Tensor) -> torch.Tensor:
         """(N+1,) verify-input ids: root, then each node's ranked token from (k, V) logits."""
         topk = draft_logits[: self.depth].topk(self.max_rank + 1, dim=-1).indices  # (depth, R)

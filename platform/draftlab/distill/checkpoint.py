@@ -70,8 +70,7 @@ def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tupl
     """Verify, then load (drafter, optimizer built by `optimizer_factory(drafter)`, trainer state)."""
     path = Path(path)
     verify_checkpoint(path)
-    drafter = load_drafter(path / "drafter", target)
-    drafter.train()
+    drafter = load_drafter(path / "drafter", target).float().train()  # float32 master weights
     optimizer = optimizer_factory(drafter)
     doc = json.loads((path / "state.json").read_text())
     tensors = load_file(str(path / "optimizer.safetensors"), device=str(target.device))

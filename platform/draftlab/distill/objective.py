@@ -86,8 +86,13 @@ def node_losses(
     teacher_h: torch.Tensor,  # (N, H) target states at the teacher positions
     label: torch.Tensor,  # (N,) data tokens
     cfg: TrainConfig,
+    full_vocab_agreement: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-node loss (N,), KL (N,) and top-1 agreement (N,) bool over the head's vocab."""
+    """Per-node loss (N,), KL (N,) and top-1 agreement (N,) bool.
+
+    Agreement compares argmaxes over the head's vocabulary, or with `full_vocab_agreement`
+    over the target's whole vocabulary (a target token that VocabTrim dropped is a miss:
+    what the engine sees; costs a full-vocabulary head pass, so evaluation only)."""
     q_logp = torch.log_softmax(drafter.head_logits(out), -1)  # (N, Vt)
     with torch.no_grad():
         t_logits = drafter.head_logits(teacher_h)  # (N, Vt) teacher over the same vocab
@@ -98,7 +103,13 @@ def node_losses(
         idx = drafter.head_rows(label)  # tokens outside a trimmed head are skipped
         ce = -q_logp.gather(-1, idx.clamp(min=0)[:, None])[:, 0]  # (N,)
         loss = loss + cfg.ce_weight * torch.where(idx >= 0, ce, torch.zeros_like(ce))
-    agree = q_logp.argmax(-1) == t_logits.argmax(-1)  # (N,)
+    if full_vocab_agreement:
+        with torch.no_grad():
+            head = drafter.target_head_weight  # (V, H)
+            want = torch.nn.functional.linear(teacher_h.to(head.dtype), head).argmax(-1)  # (N,) target ids
+        agree = drafter.head_rows(want) == q_logp.argmax(-1)  # a trimmed-away target token (-1) never agrees
+    else:
+        agree = q_logp.argmax(-1) == t_logits.argmax(-1)  # (N,)
     return loss, kl.detach(), agree
 
 
@@ -122,7 +133,9 @@ def loss_and_backward(
     grads = []
     for s in range(0, flat_out.shape[0], CHUNK_NODES):
         o = flat_out[s : s + CHUNK_NODES].requires_grad_(backward)
-        loss, kl, agree = node_losses(drafter, o, teacher[s : s + CHUNK_NODES], label[s : s + CHUNK_NODES], cfg)
+        loss, kl, agree = node_losses(
+            drafter, o, teacher[s : s + CHUNK_NODES], label[s : s + CHUNK_NODES], cfg, full_vocab_agreement=not backward
+        )
         d = depth[s : s + CHUNK_NODES]
         if cfg.feature_weight:  # EAGLE feature regression: depth-0 output ~ next target state
             feat = F.smooth_l1_loss(o.float(), teacher[s : s + CHUNK_NODES].float(), reduction="none").mean(-1)

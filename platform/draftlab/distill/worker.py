@@ -55,7 +55,7 @@ def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -
         drafter = init_drafter(spec.family, target, k=spec.k, depth=spec.depth, seed=cfg.train.seed, vocab_size=spec.vocab_size)
         if spec.vocab_size:
             drafter.set_vocab(frequent_tokens(train, spec.vocab_size, target.vocab_size, target.eos_token_ids))
-    return drafter.train()
+    return drafter.float().train()  # float32 master weights (autocast does the bf16 math)
 
 
 def teacher_states(target: Target, batch: Batch) -> torch.Tensor:
@@ -75,11 +75,12 @@ def autocast(cfg: DistillConfig, device: torch.device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
+def lr_factor(step: int, warmup: int, total: int, time_used: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak, driven by whichever runs out
+    first: the steps (`total`) or the time budget (`time_used`, the fraction spent)."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_used))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -91,12 +92,12 @@ def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, rank: int, wor
     return [mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)] or ([mine] if mine else [])
 
 
-def _all_ranks_any(flag: bool, device: torch.device) -> bool:
+def _all_ranks_max(x: float, device: torch.device) -> float:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+        return x
+    t = torch.tensor([x], device=device, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return float(t.item())
 
 
 def _gather(obj) -> list:
@@ -182,6 +183,7 @@ def train_fn_per_worker(config: dict) -> dict:
     budget_s = cfg.train.time_budget_minutes * 60 if cfg.train.time_budget_minutes else float("inf")
     gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank * 104729 + state["step"])
     t_start, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    elapsed = elapsed0  # training seconds so far (all ranks agree)
     window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
 
     def report(final: bool = False) -> None:
@@ -209,7 +211,7 @@ def train_fn_per_worker(config: dict) -> dict:
                 loss_on_prompt=cfg.train.loss_on_prompt,
             ).to(device)
             for g in optimizer.param_groups:
-                g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps)
+                g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps, elapsed / budget_s)
             with autocast(cfg, device):
                 stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch), cfg.train, k)
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
@@ -234,8 +236,9 @@ def train_fn_per_worker(config: dict) -> dict:
                 window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
             if rank == 0 and step % cfg.train.eval_every == 0 and len(evalset):
                 tracker.buffer_metrics(evaluate(module, target, evalset, cfg, k).metrics("eval"), step)
-            over = elapsed0 + time.perf_counter() - t_start >= budget_s
-            stop = _all_ranks_any(over, device)
+            # The slowest rank's clock: every rank takes the same lr and stop decisions.
+            elapsed = _all_ranks_max(elapsed0 + time.perf_counter() - t_start, device)
+            stop = elapsed >= budget_s
             if step % cfg.train.checkpoint_every == 0 and not stop:
                 report()
             if stop:
@@ -270,15 +273,22 @@ def train_fn_per_worker(config: dict) -> dict:
     drafter.eval().save(out_dir)
     if cfg.bench.enabled:
         from draftlab.bench import bench_loaded
+        from draftlab.distill.tree_select import save_tree, select_tree  # imports this module
 
-        # The bench tree may be deeper than this drafter's k: keep its first k levels.
-        tree_file = out_dir / "tree.json"
-        tree_file.write_text(load_tree(cfg.bench.tree).truncated(cfg.drafter.k).to_json() + "\n")
+        served = load_drafter(out_dir, target)  # as users load it: the target's dtype
+        if cfg.bench.tree == "searched":
+            tree, search = select_tree(
+                served, target, [evalset[i] for i in range(len(evalset))], k, cfg.bench.search_budgets,
+                cfg.bench.search_ranks, cfg.bench.search_context, depth=cfg.drafter.k,
+            )
+        else:  # a given tree may be deeper than this drafter's k: keep its first k levels
+            tree, search = load_tree(cfg.bench.tree).truncated(cfg.drafter.k), None
+        tree_file = save_tree(tree, search, out_dir)
         bcfg = BenchConfig(
             target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
             max_new_tokens=cfg.bench.max_new_tokens, k=cfg.drafter.k, tree=str(tree_file), methods=cfg.bench.methods,
         )
-        report_ = bench_loaded(target, drafter, bcfg, progress=False)
+        report_ = bench_loaded(target, served, bcfg, progress=False)
         summary["bench"] = report_
         best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],

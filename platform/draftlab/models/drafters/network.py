@@ -101,7 +101,8 @@ class DrafterNet(nn.Module):
     def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """(...,) token ids + (..., H) target hidden states -> (..., H) decoder inputs."""
         emb = self._target_io[0](tokens)  # (..., H)
-        return self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))  # (..., 2H) -> (..., H)
+        x = torch.cat([emb, hidden.to(emb.dtype)], dim=-1)  # (..., 2H) in the target's dtype
+        return self.fc(x.to(self.fc.weight.dtype))  # (..., H); float32 master weights in training
 
     def forward(
         self,
@@ -125,6 +126,11 @@ class DrafterNet(nn.Module):
     def target_vocab_size(self) -> int:
         return self._target_io[1].weight.shape[0]
 
+    @property
+    def target_head_weight(self) -> torch.Tensor:
+        """(V, H) the target's full (frozen) LM head."""
+        return self._target_io[1].weight
+
     def set_vocab(self, ids: torch.Tensor) -> None:
         """VocabTrim: score only `ids` (the most frequent target tokens)."""
         if not self.cfg.vocab_size or ids.numel() != self.cfg.vocab_size:
@@ -134,7 +140,7 @@ class DrafterNet(nn.Module):
 
     def refresh_head(self) -> None:
         """Cache the head rows in use (the frozen target head, or its trimmed rows)."""
-        w = self._target_io[1].weight  # (V, H)
+        w = self.target_head_weight  # (V, H)
         self._head_weight = w[self.vocab_ids] if self.cfg.vocab_size else w  # (Vt, H)
         self._head_row = None
         if self.cfg.vocab_size:  # full id -> head row (-1 = trimmed away), built once
@@ -147,7 +153,7 @@ class DrafterNet(nn.Module):
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., Vt) float32 logits over the head's vocabulary (training)."""
-        return torch.nn.functional.linear(h, self._head_weight).float()
+        return torch.nn.functional.linear(h.to(self._head_weight.dtype), self._head_weight).float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V) logits over the full target vocabulary (trimmed ids = -inf)."""

@@ -1,0 +1,74 @@
+"""Pick the verification tree of a trained drafter by predicted speedup on this hardware.
+
+From the drafter's held-out conditional rank acceptance (`ranks.rank_acceptance`), the
+best tree for each node budget (`tree_search.best_tree`) has an expected tau; the target's
+measured verify time for that tree, plus the drafter's measured drafting time for its
+depth, turn tau into a predicted speedup over a decoding step:
+
+    speedup(tree) = tau(tree) * t_decode / (t_verify(tree) + t_draft(depth(tree)))
+
+The best-scoring tree is saved next to the drafter as `tree.json`; the whole table (rates,
+costs, candidates) as `tree-search.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftlab.decoding.tree import Tree
+from draftlab.decoding.tree_search import best_tree, expected_accepted
+from draftlab.distill.ranks import rank_acceptance
+from draftlab.models.drafters.network import DrafterNet
+from draftlab.models.target import Target
+from draftlab.profiling import draft_ms, verify_ms
+
+
+def select_tree(
+    drafter: DrafterNet,
+    target: Target,
+    rows: list[dict],  # held-out samples: input_ids, prompt_len (and optionally hidden)
+    k: int,
+    budgets: list[int],
+    max_ranks: int,
+    context: int,
+    depth: int | None = None,
+    repeats: int = 7,
+) -> tuple[Tree, dict]:
+    """The tree with the best predicted speedup among the budget optima, and the report.
+
+    `k` depths are measured (the training groups); trees may go `depth` deep. An
+    autoregressive drafter trains one group, so its deeper rates repeat the last measured
+    depth (flagged in the report as `extrapolated_depths`): an optimistic guess, as its
+    acceptance usually decays a little with depth.
+    """
+    acc = rank_acceptance(drafter, target, rows, k, max_ranks=max_ranks)
+    extrapolated = max(0, (depth or k) - len(acc))
+    acc += [list(acc[-1])] * extrapolated
+    trees: dict[tuple, Tree] = {}
+    for n in sorted(set(budgets)):
+        tree = best_tree(acc, n)
+        trees.setdefault(tree.paths, tree)  # budgets past the useful paths give the same tree
+    candidates = list(trees.values())
+    decode, *verify = verify_ms(target, [None, *candidates], context, repeats)
+    drafting = {d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})}
+    table = []
+    for tree, v in zip(candidates, verify, strict=True):
+        tau = 1.0 + expected_accepted(tree, acc)
+        table.append({
+            "tree": tree.name, "nodes": tree.num_nodes, "depth": tree.depth, "paths": [list(p) for p in tree.paths],
+            "expected_tau": tau, "verify_ms": v, "draft_ms": drafting[tree.depth],
+            "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
+        })
+    best = max(range(len(table)), key=lambda i: table[i]["predicted_speedup"])
+    report = {"acceptance": acc, "extrapolated_depths": extrapolated, "context": context, "decode_ms": decode, "candidates": table, "chosen": table[best]["tree"]}
+    return candidates[best], report
+
+
+def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:
+    """Write `tree.json` (and `tree-search.json` when a search chose it) into `out_dir`."""
+    out_dir = Path(out_dir)
+    (out_dir / "tree.json").write_text(tree.to_json() + "\n")
+    if report is not None:
+        (out_dir / "tree-search.json").write_text(json.dumps(report, indent=2) + "\n")
+    return out_dir / "tree.json"

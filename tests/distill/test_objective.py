@@ -1,0 +1,32 @@
+"""Agreement metrics of the objective with a VocabTrim head."""
+
+import torch
+
+from draftlab.config import TrainConfig
+from draftlab.distill.objective import node_losses
+from draftlab.models.drafters import init_drafter
+
+
+def test_full_vocab_agreement_counts_trimmed_target_tokens_as_misses(tiny):
+    drafter = init_drafter("parallel", tiny, k=2, depth=1, seed=0, vocab_size=16)
+    drafter.set_vocab(torch.arange(16))  # keep ids 0..15 only
+    teacher = torch.randn(200, tiny.hidden_size, generator=torch.Generator().manual_seed(0)).to(tiny.dtype)
+    out = teacher.clone()  # the drafter reproduces the teacher's state exactly
+    label = torch.zeros(200, dtype=torch.long)
+    _, _, trimmed = node_losses(drafter, out, teacher, label, TrainConfig())
+    _, _, full = node_losses(drafter, out, teacher, label, TrainConfig(), full_vocab_agreement=True)
+    in_vocab = tiny.lm_head(teacher).argmax(-1) < 16  # (N,)
+    assert trimmed.all()  # over the trimmed head, a perfect copy always agrees
+    assert torch.equal(full, in_vocab)  # ... but not where the target's token was trimmed away
+    assert 0 < int(in_vocab.sum()) < 200
+
+
+def test_lr_decays_with_whichever_budget_runs_out_first():
+    from draftlab.distill.worker import lr_factor
+
+    assert lr_factor(4, warmup=10, total=100) == 0.5  # warm-up
+    assert lr_factor(10, warmup=10, total=100) == 1.0
+    assert abs(lr_factor(55, warmup=10, total=100) - 0.55) < 1e-9  # half the steps: halfway down the cosine
+    # epochs far beyond what a time budget allows: the clock drives the decay instead
+    assert abs(lr_factor(55, warmup=10, total=10**6, time_used=0.5) - 0.55) < 1e-9
+    assert lr_factor(56, warmup=10, total=10**6, time_used=1.0) == 0.1

@@ -1,0 +1,39 @@
+"""Tree selection at the end of training: budget optima scored by measured costs."""
+
+import json
+
+import torch
+
+from draftlab.decoding.tree import load_tree
+from draftlab.decoding.tree_search import best_tree
+from draftlab.distill.tree_select import save_tree, select_tree
+from draftlab.models.drafters import init_drafter
+
+
+def _rows(tiny, n=3, length=40):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(3, tiny.vocab_size, (length,), generator=g).tolist(), "prompt_len": 5} for _ in range(n)]
+
+
+def test_picks_the_best_predicted_speedup_and_saves_it(tiny, tmp_path):
+    drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
+    tree, report = select_tree(drafter, tiny, _rows(tiny), k=3, budgets=[1, 2, 4, 8], max_ranks=3, context=32, repeats=2)
+    table = report["candidates"]
+    assert report["chosen"] == tree.name
+    assert max(table, key=lambda c: c["predicted_speedup"])["tree"] == tree.name
+    assert len(report["acceptance"]) == 3 and all(len(row) == 3 for row in report["acceptance"])
+    for c in table:  # every candidate is the budget optimum, scored by its own measured costs
+        assert [list(p) for p in best_tree(report["acceptance"], c["nodes"]).paths] == c["paths"]
+        assert c["verify_ms"] > 0 and c["draft_ms"] > 0
+        assert abs(c["predicted_speedup"] - c["expected_tau"] * report["decode_ms"] / (c["verify_ms"] + c["draft_ms"])) < 1e-9
+    save_tree(tree, report, tmp_path)
+    assert load_tree(str(tmp_path / "tree.json")).paths == tree.paths
+    assert json.loads((tmp_path / "tree-search.json").read_text())["chosen"] == tree.name
+
+
+def test_autoregressive_depths_beyond_training_are_extrapolated(tiny):
+    drafter = init_drafter("autoregressive", tiny, k=3, depth=1, seed=0)
+    tree, report = select_tree(drafter, tiny, _rows(tiny), k=1, budgets=[4], max_ranks=2, context=32, depth=3, repeats=2)
+    assert report["extrapolated_depths"] == 2
+    assert report["acceptance"][1] == report["acceptance"][0] == report["acceptance"][2]
+    assert tree.depth <= 3
