@@ -3,6 +3,7 @@
     draftlab bench   --target smollm2-135m --drafter init:parallel --json bench.json
     draftlab profile --target smollm2-135m --json profile.json
     draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
+    draftlab select-tree -c jobs/configs/smollm2-135m-parallel-k4.yaml
     draftlab runs
 
 Bad input exits with status 2 and one clear message, never a traceback.
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-c", "--config", required=True, help="DistillConfig YAML (see jobs/configs/)")
     d.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 scaling.num_workers=2")
 
+    t = sub.add_parser("select-tree", help="re-choose a trained drafter's tree (held-out rank acceptance x measured costs)")
+    t.add_argument("-c", "--config", required=True, help="the DistillConfig YAML it was trained with")
+    t.add_argument("--drafter", default=None, help="drafter dir (default: the run's, under storage_path/name)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. bench.search_budgets=[1,2,4]")
+
     r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
     r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
     r.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
@@ -83,6 +89,17 @@ def _distill(a: argparse.Namespace) -> None:
 
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     print(format_summary(run_distill(cfg)))
+
+
+def _select_tree(a: argparse.Namespace) -> None:
+    from draftlab.distill.tree_select import choose_tree_for_run
+
+    cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
+    report = choose_tree_for_run(cfg, a.drafter)
+    for c in report["candidates"]:
+        print(f"{c['nodes']:3d} nodes, depth {c['depth']}: expected tau {c['expected_tau']:.3f}, "
+              f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
+    print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
 
 
 def _runs(a: argparse.Namespace) -> None:
@@ -112,7 +129,7 @@ def _profile(a: argparse.Namespace) -> None:
     print(json.dumps(run_profile(cfg), indent=2))
 
 
-COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "runs": _runs}
+COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "runs": _runs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,16 +26,20 @@ from draftlab.models.drafters.network import DrafterNet, init_drafter
 from draftlab.models.target import Target, load_target
 
 
-def _median_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
+def _median_ms(fns: list[Callable[[], None]], repeats: int, device: torch.device) -> list[float]:
+    """Median ms of each function, timed round-robin (one call each per round) so that a
+    machine slowing down or speeding up during the measurement shifts them all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for fn, out in zip(fns, times, strict=True):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def _cached_context(target: Target, context: int) -> tuple[object, torch.Generator]:
@@ -46,13 +50,13 @@ def _cached_context(target: Target, context: int) -> tuple[object, torch.Generat
     return cache, gen
 
 
-def verify_ms(target: Target, trees: list[Tree | None], context: int, repeats: int, progress: bool = False) -> list[float]:
+def verify_ms(target: Target, trees: list[Tree | None], context: int, repeats: int) -> list[float]:
     """Median ms of one verify forward of each tree (root + nodes, row-exact attention, as
     the engine runs it) over `context` cached tokens; None = a decoding step (one token)."""
     dev = target.device
     cache, gen = _cached_context(target, context)
-    out = []
-    for tree in tqdm(trees, desc="verify cost", leave=False, disable=not progress):
+    steps = []
+    for tree in trees:
         rows, depths = None, torch.zeros(1, dtype=torch.long)
         if tree is not None:
             rows, depths = verify_plan(tree, context, *(t.to(dev) for t in tree.ancestor_rows)), tree.depths
@@ -63,14 +67,14 @@ def verify_ms(target: Target, trees: list[Tree | None], context: int, repeats: i
             target.forward(ids, pos, cache, rows=rows)
             keep_rows(cache, context, [])  # roll back to the context
 
-        out.append(_median_ms(step, repeats, dev))
-    return out
+        steps.append(step)
+    return _median_ms(steps, repeats, dev)
 
 
 def profile_target(target: Target, context: int, sizes: list[int], repeats: int) -> dict[str, float]:
     """t_target(n): verifying an n-row chain (n = 1: a decoding step)."""
     trees = [Tree.chain(n - 1) if n > 1 else None for n in sizes]
-    return {str(n): ms for n, ms in zip(sizes, verify_ms(target, trees, context, repeats, progress=True), strict=True)}
+    return {str(n): ms for n, ms in zip(sizes, verify_ms(target, trees, context, repeats), strict=True)}
 
 
 def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
@@ -88,7 +92,7 @@ def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
         state.pos -= 1
 
     with torch.inference_mode():
-        return _median_ms(step, repeats, dev)
+        return _median_ms([step], repeats, dev)[0]
 
 
 def _argmax(j: int, logits: torch.Tensor) -> int:

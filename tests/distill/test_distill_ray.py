@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import mlflow
 import psutil
@@ -17,7 +18,9 @@ from ray.cluster_utils import Cluster
 
 from distill_support import tiny_config
 from draftlab.config import ScalingSpec, TrainConfig
+from draftlab.decoding.tree import load_tree
 from draftlab.distill.trainer import run_distill
+from draftlab.distill.tree_select import choose_tree_for_run
 from mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -67,6 +70,10 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     version = client.get_model_version(summary["registered_model"], summary["model_version"])
     assert version.run_id == run.info.run_id
     assert version.tags["k"] == "3" and version.tags["family"] == "parallel" and "tau" in version.tags
+    # `draftlab select-tree` redoes the tree choice from the cached held-out split (no generation)
+    report = choose_tree_for_run(cfg)
+    tree = load_tree(str(Path(summary["drafter_dir"]) / "tree.json"))
+    assert max(report["candidates"], key=lambda c: c["predicted_speedup"])["paths"] == [list(p) for p in tree.paths]
 
 
 def _train_worker_pids() -> list[int]:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftlab.decoding.tree import Tree
+from draftlab.config import DistillConfig
+from draftlab.decoding.tree import Tree, load_tree
 from draftlab.decoding.tree_search import best_tree, expected_accepted
 from draftlab.distill.ranks import rank_acceptance
-from draftlab.models.drafters.network import DrafterNet
-from draftlab.models.target import Target
+from draftlab.models.drafters.network import DrafterNet, load_drafter
+from draftlab.models.target import Target, load_target
 from draftlab.profiling import draft_ms, verify_ms
 
 
@@ -33,7 +34,7 @@ def select_tree(
     max_ranks: int,
     context: int,
     depth: int | None = None,
-    repeats: int = 7,
+    repeats: int = 15,
 ) -> tuple[Tree, dict]:
     """The tree with the best predicted speedup among the budget optima, and the report.
 
@@ -63,6 +64,35 @@ def select_tree(
     best = max(range(len(table)), key=lambda i: table[i]["predicted_speedup"])
     report = {"acceptance": acc, "extrapolated_depths": extrapolated, "context": context, "decode_ms": decode, "candidates": table, "chosen": table[best]["tree"]}
     return candidates[best], report
+
+
+def choose_tree(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+    """The tree of `cfg.bench.tree` for this drafter (`searched`: `select_tree` on the
+    held-out split), saved into `out_dir`; returns the `tree.json` path."""
+    from draftlab.distill.worker import group_count
+
+    if cfg.bench.tree != "searched":  # a given tree may be deeper than this drafter's k: keep k levels
+        return save_tree(load_tree(cfg.bench.tree).truncated(cfg.drafter.k), None, out_dir)
+    rows = [evalset[i] for i in range(len(evalset))]
+    b = cfg.bench
+    tree, report = select_tree(
+        drafter, target, rows, group_count(cfg), b.search_budgets, b.search_ranks, b.search_context, depth=cfg.drafter.k
+    )
+    return save_tree(tree, report, out_dir)
+
+
+def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> dict:
+    """`draftlab select-tree`: redo the end-of-training choice for a trained drafter (default:
+    the run's drafter directory) on its cached held-out data; returns the search report."""
+    from draftlab.data.selfdistill import load_or_generate
+    from draftlab.distill.trainer import output_dir
+
+    drafter_dir = drafter_dir or output_dir(cfg)
+    target = load_target(cfg.target)
+    evalset = load_or_generate(cfg.data, cfg.target, progress=False)["eval"]
+    path = choose_tree(cfg.model_copy(update={"bench": cfg.bench.model_copy(update={"tree": "searched"})}),
+                       load_drafter(drafter_dir, target), target, evalset, drafter_dir)
+    return json.loads((path.parent / "tree-search.json").read_text())
 
 
 def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:

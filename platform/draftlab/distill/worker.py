@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from draftlab.config import BenchConfig, DistillConfig
-from draftlab.decoding.tree import load_tree
 from draftlab.distill.batching import Batch, collate
 from draftlab.distill.checkpoint import load_checkpoint, save_checkpoint
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
@@ -273,17 +272,10 @@ def train_fn_per_worker(config: dict) -> dict:
     drafter.eval().save(out_dir)
     if cfg.bench.enabled:
         from draftlab.bench import bench_loaded
-        from draftlab.distill.tree_select import save_tree, select_tree  # imports this module
+        from draftlab.distill.tree_select import choose_tree  # imports this module
 
         served = load_drafter(out_dir, target)  # as users load it: the target's dtype
-        if cfg.bench.tree == "searched":
-            tree, search = select_tree(
-                served, target, [evalset[i] for i in range(len(evalset))], k, cfg.bench.search_budgets,
-                cfg.bench.search_ranks, cfg.bench.search_context, depth=cfg.drafter.k,
-            )
-        else:  # a given tree may be deeper than this drafter's k: keep its first k levels
-            tree, search = load_tree(cfg.bench.tree).truncated(cfg.drafter.k), None
-        tree_file = save_tree(tree, search, out_dir)
+        tree_file = choose_tree(cfg, served, target, evalset, out_dir)
         bcfg = BenchConfig(
             target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
             max_new_tokens=cfg.bench.max_new_tokens, k=cfg.drafter.k, tree=str(tree_file), methods=cfg.bench.methods,
