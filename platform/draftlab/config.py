@@ -149,6 +149,20 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def apply_dotted(data: dict, overrides: dict) -> dict:
+    """Set `{"a.b": 1}`-style dotted keys in the nested mapping `data` (in place)."""
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {dotted!r}: {p!r} is a value, not a section")
+            node = child
+        node[leaf] = value
+    return data
+
+
 def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -> M:
     """Load a YAML file into `model`, applying dotted `overrides` (`a.b=1`) on top."""
     path = Path(path)
@@ -160,12 +174,7 @@ def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    apply_dotted(data, overrides or {})
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -261,6 +270,15 @@ class DrafterSpec(StrictModel):
     (None = the full target vocabulary)."""
     init_from: str | None = None
     """Start from a saved drafter directory instead of random weights."""
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, family: str) -> str:
+        from draftlab.models.drafters.registry import available_drafters
+
+        if family not in available_drafters():
+            raise ValueError(f"unknown drafter family {family!r} (allowed: {', '.join(available_drafters())})")
+        return family
 
 
 class TrainConfig(StrictModel):

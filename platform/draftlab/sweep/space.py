@@ -1,0 +1,178 @@
+"""Sweep definitions (`sweeps/*.yaml`): a base distillation config, a search space over its
+fields, the tree shapes evaluated for every trained drafter, and the search algorithm.
+
+A trial is (training parameters, tree). Trials that differ only in the tree share one
+trained drafter: `training_key` digests everything that changes what training produces,
+so a trained drafter is looked up by it and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from draftlab.config import (
+    ConfigError,
+    DistillConfig,
+    StrictModel,
+    apply_dotted,
+    format_validation_error,
+)
+from draftlab.decoding.tree import available_trees
+
+Scalar = int | float | str | bool
+RANGES = ("uniform", "loguniform", "randint")
+
+
+class SearchSpec(StrictModel):
+    """How the space is searched."""
+
+    algorithm: Literal["grid", "random", "optuna"] = "grid"
+    """`grid`: every combination of the listed values; `random` / `optuna` draw
+    `num_samples` points (ranges allowed)."""
+    num_samples: int | None = Field(None, ge=1)
+    """Points drawn by random/optuna (grid: repeats of the whole grid, default 1)."""
+    max_concurrent_trials: int | None = Field(None, ge=1)
+    """None = as many as the cluster's CPUs/GPUs fit (see `max_concurrency`)."""
+    seed: int = 0
+    """Seed of the random/optuna searcher."""
+
+
+class AshaSpec(StrictModel):
+    """ASHA early stopping on the training-time simulated acceptance length."""
+
+    metric: str = "eval/sim_accept_len"
+    """Reported while training; higher is better."""
+    grace_period: int = Field(2, ge=1)
+    """Evaluations a trial gets before it can be stopped."""
+    reduction_factor: float = Field(3.0, gt=1.0)
+    """Keep the top 1/reduction_factor at each rung."""
+
+
+class SweepConfig(StrictModel):
+    """`draftlab sweep -c sweeps/X.yaml`."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Sweep name: its Tune experiment directory and MLflow parent run."""
+    base: str
+    """DistillConfig YAML every trial starts from (relative to the sweep file or the cwd)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Dotted DistillConfig fields fixed for every trial (e.g. a shorter time budget)."""
+    space: dict[str, list[Scalar] | dict[str, list[float]]] = Field(default_factory=dict)
+    """Dotted DistillConfig fields -> a list of values, or {uniform|loguniform|randint: [lo, hi]}."""
+    trees: list[str] = Field(default_factory=lambda: ["chain"], min_length=1)
+    """Tree shapes evaluated for every trained drafter: `chain` (the drafter's K),
+    `chain-<k>`, a preset name, or `searched-<n>` (the best n-node tree from the drafter's
+    held-out rank acceptance)."""
+    search: SearchSpec = Field(default_factory=SearchSpec)
+    """The search algorithm."""
+    asha: AshaSpec | None = None
+    """Early stopping; None = every trial trains to its budget."""
+
+    @field_validator("space")
+    @classmethod
+    def _dimensions(cls, space: dict) -> dict:
+        for key, dim in space.items():
+            if isinstance(dim, list):
+                if not dim:
+                    raise ValueError(f"space.{key}: the list of values is empty")
+                continue
+            if len(dim) != 1 or next(iter(dim)) not in RANGES:
+                raise ValueError(f"space.{key}: a range is one of {list(RANGES)} with [low, high], got {dim}")
+            low_high = next(iter(dim.values()))
+            if len(low_high) != 2 or not low_high[0] < low_high[1]:
+                raise ValueError(f"space.{key}: a range needs [low, high] with low < high, got {low_high}")
+        return space
+
+    @field_validator("trees")
+    @classmethod
+    def _trees(cls, trees: list[str]) -> list[str]:
+        presets = [t for t in available_trees() if "<" not in t]
+        for t in trees:
+            if t != "chain" and not re.fullmatch(r"(chain|searched)-[1-9][0-9]*", t) and t not in presets:
+                raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)})")
+        return trees
+
+
+def _resolve(base: str, sweep_file: Path) -> Path:
+    for candidate in (sweep_file.parent / base, Path(base)):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{sweep_file}: base: config file not found: {base}")
+
+
+def load_sweep(path: str | Path, overrides: dict | None = None) -> tuple[SweepConfig, dict]:
+    """The sweep and its base DistillConfig (as a dict); every space value is checked
+    against the base, so a bad field or value names the sweep file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    apply_dotted(data, overrides or {})
+    try:
+        sweep = SweepConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None
+    base_file = _resolve(sweep.base, path)
+    base = apply_dotted(yaml.safe_load(base_file.read_text()) or {}, sweep.overrides)
+    trial_config(base, {}, where=f"{path}: overrides (base {base_file})")
+    if sweep.search.algorithm == "grid":
+        ranged = [k for k, d in sweep.space.items() if isinstance(d, dict)]
+        if ranged:
+            raise ConfigError(f"{path}: space.{ranged[0]}: grid search needs a list of values (ranges need random or optuna)")
+    for key, dim in sweep.space.items():
+        for value in dim if isinstance(dim, list) else next(iter(dim.values())):
+            trial_config(base, {key: value}, where=f"{path}: space.{key}={value!r} (base {base_file})")
+    return sweep, base
+
+
+def trial_config(base: dict, params: dict[str, Any], name: str | None = None, where: str = "trial") -> DistillConfig:
+    """The DistillConfig of one trial: `base` with the dotted `params` set."""
+    data = apply_dotted(json.loads(json.dumps(base)), params)  # deep copy
+    if name:
+        data["name"] = name
+    try:
+        return DistillConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, where)) from None
+
+
+def training_key(cfg: DistillConfig) -> str:
+    """Digest of what determines the trained drafter: everything but its name, outputs,
+    tracking and benchmark settings (trees and benches never retrain)."""
+    keep = cfg.model_dump(mode="json", exclude={"name", "output_dir", "tracking", "bench", "storage_path"})
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def param_space(sweep: SweepConfig) -> dict:
+    """Ray Tune's `param_space`: the training dimensions plus the tree dimension."""
+    from ray import tune
+
+    def dimension(dim):
+        if isinstance(dim, list):
+            return tune.grid_search(dim) if sweep.search.algorithm == "grid" else tune.choice(dim)
+        kind, (low, high) = next(iter(dim.items()))
+        return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[kind](low, high)
+
+    space = {key: dimension(dim) for key, dim in sweep.space.items()}
+    space["tree"] = dimension(sweep.trees)
+    return space
+
+
+def max_concurrency(resources: dict[str, float], cpus_per_trial: float, gpus_per_trial: float = 0.0) -> int:
+    """How many trials the cluster runs at once (at least one)."""
+    fits = [resources.get("CPU", 0.0) // cpus_per_trial] if cpus_per_trial else []
+    if gpus_per_trial:
+        fits.append(resources.get("GPU", 0.0) // gpus_per_trial)
+    return max(1, int(min(fits))) if fits else 1

@@ -1,0 +1,80 @@
+"""Sweep definitions: strict validation against the base config, Tune spaces, training keys."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray import tune
+
+from draftlab.config import ConfigError
+from draftlab.sweep.space import (
+    load_sweep,
+    max_concurrency,
+    param_space,
+    training_key,
+    trial_config,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, **doc) -> Path:
+    doc = {"name": "t", "base": str(ROOT / "jobs/configs/smollm2-135m-parallel-k4.yaml"), **doc}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_sweeps_validate(path):
+    sweep, base = load_sweep(path)
+    assert path.read_text().startswith("# draftlab sweep -c sweeps/")
+    if path.name == "smollm2-135m-cpu.yaml":  # the embedded default: >= 8 trained configs x >= 4 trees
+        trained = 1
+        for dim in sweep.space.values():
+            trained *= len(dim)
+        assert trained >= 8 and len(sweep.trees) >= 4
+
+
+@pytest.mark.parametrize(
+    ("doc", "msg"),
+    [
+        ({"space": {"drafter.kk": [2, 3]}}, "drafter.kk"),
+        ({"space": {"drafter.family": ["medusa"]}}, "unknown drafter family 'medusa' (allowed: autoregressive, parallel)"),
+        ({"space": {"train.lr": {"loguniform": [1e-4, 1e-3]}}}, "grid search needs a list"),
+        ({"space": {"train.lr": {"normal": [0, 1]}}}, "uniform"),
+        ({"space": {"drafter.k": []}}, "empty"),
+        ({"trees": ["bushy-99"]}, "unknown tree 'bushy-99'"),
+        ({"search": {"algorithm": "bayes"}}, "'grid', 'random' or 'optuna'"),
+        ({"overrides": {"train.epochs": 0}}, "train.epochs"),
+        ({"colour": "blue"}, "colour: unknown key"),
+    ],
+)
+def test_bad_sweeps_name_the_file_and_field(tmp_path, doc, msg):
+    path = _write(tmp_path, **doc)
+    with pytest.raises(ConfigError, match="sweep.yaml") as err:
+        load_sweep(path)
+    assert msg in str(err.value)
+
+
+def test_tune_space_grid_and_random(tmp_path):
+    grid, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4]}, trees=["chain", "searched-8"]))
+    assert param_space(grid) == {"drafter.k": tune.grid_search([2, 4]), "tree": tune.grid_search(["chain", "searched-8"])}
+    rnd, _ = load_sweep(_write(tmp_path, space={"train.lr": {"loguniform": [1e-4, 1e-2]}}, search={"algorithm": "random", "num_samples": 4}))
+    lr = param_space(rnd)["train.lr"]
+    assert isinstance(lr, tune.search.sample.Float) and lr.lower == 1e-4 and lr.upper == 1e-2
+
+
+def test_training_key_ignores_tree_bench_and_names(tmp_path):
+    _, base = load_sweep(_write(tmp_path))
+    a = trial_config(base, {"drafter.k": 3}, name="trial-a")
+    b = trial_config(base, {"drafter.k": 3, "bench.tree": "small-6", "bench.limit": 2}, name="trial-b")
+    assert training_key(a) == training_key(b)  # same drafter: train once, evaluate many
+    assert training_key(trial_config(base, {"drafter.k": 4})) != training_key(a)
+    assert training_key(trial_config(base, {"drafter.k": 3, "train.lr": 5e-4})) != training_key(a)
+
+
+def test_max_concurrency_from_resources():
+    assert max_concurrency({"CPU": 2.0}, cpus_per_trial=2) == 1
+    assert max_concurrency({"CPU": 16.0, "GPU": 2.0}, cpus_per_trial=2, gpus_per_trial=1) == 2
+    assert max_concurrency({"CPU": 1.0}, cpus_per_trial=4) == 1  # never zero
