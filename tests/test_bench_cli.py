@@ -75,6 +75,32 @@ def test_bench_defaults_to_the_drafters_k_and_tree(tmp_path, tiny):
     assert report["tree"] == str(saved / "tree.json") and report["tree_nodes"] == 3
 
 
+def test_bench_searched_tree_comes_from_the_drafters_measured_acceptance(tmp_path, tiny):
+    from draftlab.decoding.tree import load_tree
+    from draftlab.decoding.tree_search import best_tree
+    from draftlab.models.drafters import init_drafter
+
+    saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
+    acc = [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]
+    (saved / "tree-search.json").write_text(json.dumps({"acceptance": acc}))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--max-new-tokens", "8",
+               "--tree", "searched-4", "--methods", "draftlab_tree", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["tree"] == str(saved / "tree-searched-4.json") and report["tree_nodes"] == 4
+    assert load_tree(report["tree"]).paths == best_tree(acc, 4).paths
+
+
+def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, capsys):
+    from draftlab.models.drafters import init_drafter
+
+    saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
+    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--tree", "searched-4"])
+    assert rc == 2
+    assert "tree-search.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args,msg",
     [

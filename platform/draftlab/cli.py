@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--k", type=int, default=None, help="draft length of the chain method (default: the drafter's K)")
     b.add_argument("--depth", type=int, default=1, help="decoder layers of an init: drafter")
-    b.add_argument("--tree", default=None, help="tree preset, chain-<k>, or JSON file of rank paths (default: the drafter dir's tree.json, else default)")
+    b.add_argument("--tree", default=None, help="tree preset, chain-<k>, searched-<n> (the drafter's best n-node tree, from its tree-search.json), or JSON file of rank paths (default: the drafter dir's tree.json, else default)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)

@@ -80,8 +80,10 @@ class BenchConfig(StrictModel):
     depth: int = Field(1, ge=1, le=32)
     """Decoder layers of an `init:` drafter (a saved drafter keeps its own)."""
     tree: str | None = None
-    """Tree for `draftlab_tree`: a preset name or a JSON file of rank paths; None = the
-    drafter directory's `tree.json` (written by `draftlab distill`), else `default`."""
+    """Tree for `draftlab_tree`: a preset name, `chain-<k>`, `searched-<n>` (the saved
+    drafter's best n-node tree under its `tree-search.json` acceptance), or a JSON file of
+    rank paths; None = the drafter directory's `tree.json` (written by `draftlab distill`),
+    else `default`."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     """0 = greedy (the only mode in which `greedy_identical` is checked)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -95,6 +95,23 @@ def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> d
     return json.loads((path.parent / "tree-search.json").read_text())
 
 
+def searched_tree_file(drafter_dir: str | Path, budget: int) -> Path:
+    """`tree-searched-<n>.json` next to the drafter: the best `budget`-node tree under the
+    acceptance rates its `tree-search.json` recorded (written on first use)."""
+    drafter_dir = Path(drafter_dir)
+    report_file = drafter_dir / "tree-search.json"
+    if not report_file.is_file():
+        raise FileNotFoundError(
+            f"tree 'searched-{budget}' needs {report_file} (written by `draftlab distill` with bench.tree=searched, "
+            f"or by `draftlab select-tree`)"
+        )
+    path = drafter_dir / f"tree-searched-{budget}.json"
+    if not path.is_file():
+        acc = json.loads(report_file.read_text())["acceptance"]
+        path.write_text(best_tree(acc, budget).to_json() + "\n")
+    return path
+
+
 def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:
     """Write `tree.json` (and `tree-search.json` when a search chose it) into `out_dir`."""
     out_dir = Path(out_dir)
