@@ -24,6 +24,7 @@ from draftlab.tracking import (
     list_runs,
     looks_secret,
     prepare_params,
+    promote,
     resolve_tracking_uri,
 )
 from mlflow_server import MlflowServer
@@ -272,6 +273,47 @@ def test_register_model_versions(mlflow_server, tmp_path):
         assert mv.tags == {"tau": str(3.0 + i), "k": "4"}
         assert mv.source == f"runs:/{run_id}/drafter" and mv.run_id == run_id
     assert versions == ["1", "2"]
+
+
+def _distill_like_run(url: str, tmp_path: Path, target: str, tau: float, with_drafter: bool = True) -> str:
+    t = Tracker(url, EXP)
+    run_id = t.start_or_resume(_name("promo"), {"draftlab.target": target})
+    t.log_params({"drafter": {"k": 4, "depth": 1, "family": "parallel"}})
+    t.log_metrics_now({"tau": tau, "speedup_vs_ar": tau - 0.2}, 0)
+    if with_drafter:
+        (tmp_path / "model.safetensors").write_text("weights")
+        t.log_artifacts(tmp_path, "drafter")
+    t.end()
+    return run_id
+
+
+def test_promote_moves_the_champion_and_keeps_the_previous_version(mlflow_server, tmp_path, capsys):
+    from draftlab.cli import main
+
+    client = MlflowClient(mlflow_server.url)
+    target = _name("tgt")
+    first = _distill_like_run(mlflow_server.url, tmp_path, target, 1.5)
+    second = _distill_like_run(mlflow_server.url, tmp_path, target, 1.7)
+    out = promote(first, tracking_uri=mlflow_server.url)
+    assert out == {"model": f"draftlab-{target}-drafter", "version": "1", "alias": "champion", "previous": None, "run_id": first}
+    assert main(["promote", second, "--tracking-uri", mlflow_server.url]) == 0
+    assert "version 2" in capsys.readouterr().out
+    champion = client.get_model_version_by_alias(out["model"], "champion")
+    assert champion.version == "2" and champion.run_id == second
+    assert champion.tags["replaced_champion_version"] == "1" and champion.tags["k"] == "4"
+    assert champion.tags["tau"] == "1.7" and champion.tags["family"] == "parallel"
+    assert client.get_model_version(out["model"], "1").run_id == first  # the previous champion stays
+    assert promote(first, tracking_uri=mlflow_server.url)["version"] == "1"  # re-promotion reuses its version
+
+
+def test_promote_bad_runs_are_clear_errors(mlflow_server, tmp_path, capsys):
+    from draftlab.cli import main
+
+    assert main(["promote", "0123456789abcdef", "--tracking-uri", mlflow_server.url]) == 2
+    assert "not found" in capsys.readouterr().err
+    bare = _distill_like_run(mlflow_server.url, tmp_path, _name("tgt"), 1.2, with_drafter=False)
+    with pytest.raises(ValueError, match="no 'drafter' artifact"):
+        promote(bare, tracking_uri=mlflow_server.url)
 
 
 def test_list_runs_and_table(mlflow_server):

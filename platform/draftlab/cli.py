@@ -4,6 +4,7 @@
     draftlab profile --target smollm2-135m --json profile.json
     draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
     draftlab select-tree -c jobs/configs/smollm2-135m-parallel-k4.yaml
+    draftlab promote RUN_ID
     draftlab runs
 
 Bad input exits with status 2 and one clear message, never a traceback.
@@ -77,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--drafter", default=None, help="drafter dir (default: the run's, under storage_path/name)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. bench.search_budgets=[1,2,4]")
 
+    m = sub.add_parser("promote", help="make a distillation run's drafter the registered model's champion")
+    m.add_argument("run_id", help="MLflow run id of a distillation (see `draftlab runs`)")
+    m.add_argument("--model", default=None, help="registered model name (default: the one the run registered under)")
+    m.add_argument("--alias", default="champion")
+    m.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
+
     r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
     r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
     r.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
@@ -100,6 +107,14 @@ def _select_tree(a: argparse.Namespace) -> None:
         print(f"{c['nodes']:3d} nodes, depth {c['depth']}: expected tau {c['expected_tau']:.3f}, "
               f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
     print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
+
+
+def _promote(a: argparse.Namespace) -> None:
+    from draftlab.tracking import promote
+
+    out = promote(a.run_id, a.model, a.alias, a.tracking_uri)
+    was = f" (was version {out['previous']}, kept)" if out["previous"] else ""
+    print(f"{out['model']} version {out['version']} (run {out['run_id']}) is now @{out['alias']}{was}")
 
 
 def _runs(a: argparse.Namespace) -> None:
@@ -129,7 +144,7 @@ def _profile(a: argparse.Namespace) -> None:
     print(json.dumps(run_profile(cfg), indent=2))
 
 
-COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "runs": _runs}
+COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "promote": _promote, "runs": _runs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from draftlab.config import DistillConfig
 from draftlab.distill.worker import train_fn_per_worker
-from draftlab.tracking import Tracker, resolve_tracking_uri
+from draftlab.tracking import Tracker, drafter_model_name, resolve_tracking_uri
 
 
 def storage_uri(path: str) -> str:
@@ -70,8 +70,7 @@ def ensure_ray() -> None:
 def registered_name(cfg: DistillConfig) -> str:
     if cfg.tracking.registered_model:
         return cfg.tracking.registered_model
-    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in cfg.target.name.split("/")[-1])
-    return f"draftlab-{safe}-drafter"
+    return drafter_model_name(cfg.target.name)
 
 
 def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
