@@ -1,0 +1,95 @@
+"""Sweep results as files: the table (CSV) and the plots logged on the sweep's parent run.
+
+A row is one trial: `family`, `k`, `depth`, `tree`, `tree_nodes`, `tau`, `speedup_vs_ar`,
+`drafter_parameters` and optionally `tau_by_category` ({category: tau}).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+COLUMNS = ["trial", "family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "drafter_parameters"]
+
+
+def write_csv(rows: list[dict], path: str | Path) -> Path:
+    """The results table, one line per trial, best speedup first."""
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(sorted(rows, key=lambda r: -r["speedup_vs_ar"]))
+    return path
+
+
+def pareto_front(rows: list[dict]) -> list[dict]:
+    """Trials no other trial beats on both drafter size (smaller) and speedup (higher),
+    by increasing size."""
+    front, best = [], float("-inf")
+    for r in sorted(rows, key=lambda r: (r["drafter_parameters"], -r["speedup_vs_ar"])):
+        if r["speedup_vs_ar"] > best:
+            front.append(r)
+            best = r["speedup_vs_ar"]
+    return front
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(figsize=(6, 4))
+
+
+def _save(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """speedup_vs_k.png, speedup_vs_tree_budget.png, pareto.png, tau_by_category.png."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    plt, fig, ax = _figure()  # best tree per trained drafter, one line per (family, depth)
+    lines: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        key = (r["family"], r["depth"])
+        lines[key][r["k"]] = max(lines[key].get(r["k"], float("-inf")), r["speedup_vs_ar"])
+    for (family, depth), by_k in sorted(lines.items()):
+        ks = sorted(by_k)
+        ax.plot(ks, [by_k[k] for k in ks], marker="o", label=f"{family}, depth {depth}")
+    paths.append(_save(plt, fig, ax, out_dir / "speedup_vs_k.png", "Speedup vs K (best tree)", "K", "speedup vs ar"))
+
+    plt, fig, ax = _figure()
+    curves: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+    for r in rows:
+        curves[(r["family"], r["k"], r["depth"])].append((r["tree_nodes"], r["speedup_vs_ar"]))
+    for (family, k, depth), pts in sorted(curves.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family} K={k} d={depth}")
+    paths.append(_save(plt, fig, ax, out_dir / "speedup_vs_tree_budget.png", "Speedup vs tree size", "tree nodes", "speedup vs ar"))
+
+    plt, fig, ax = _figure()
+    ax.scatter([r["drafter_parameters"] / 1e6 for r in rows], [r["speedup_vs_ar"] for r in rows], alpha=0.5, label="trials")
+    front = pareto_front(rows)
+    ax.plot([r["drafter_parameters"] / 1e6 for r in front], [r["speedup_vs_ar"] for r in front], "r-o", label="Pareto front")
+    paths.append(_save(plt, fig, ax, out_dir / "pareto.png", "Speedup vs drafter size", "drafter parameters (M)", "speedup vs ar"))
+
+    plt, fig, ax = _figure()  # the best trial's tau per prompt category
+    best = max(rows, key=lambda r: r["speedup_vs_ar"])
+    cats = best.get("tau_by_category") or {}
+    ax.bar(list(cats), list(cats.values()))
+    ax.tick_params(axis="x", rotation=45)
+    title = f"tau per category (K={best['k']}, depth {best['depth']}, {best['tree']})"
+    paths.append(_save(plt, fig, ax, out_dir / "tau_by_category.png", title, "category", "tau"))
+    return paths
