@@ -8,7 +8,6 @@ ratio is taken against our own KV-cached target-only loop (`ar`) from the same r
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from draftlab.config import BenchConfig, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.tree_search import searched_budget
 from draftlab.hardware import describe_device, sync
 from draftlab.models.drafters.network import DrafterNet, resolve_drafter
 from draftlab.models.target import Target, load_target
@@ -113,13 +113,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         saved = None if cfg.drafter.startswith("init:") else Path(cfg.drafter)
         if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
             cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
-        searched = re.fullmatch(r"searched-([1-9][0-9]*)", cfg.tree or "")
-        if searched:  # the drafter's own best n-node tree, from its measured rank acceptance
+        budget = searched_budget(cfg.tree)
+        if budget:  # the drafter's own best n-node tree, from its measured rank acceptance
             if saved is None:
                 raise ValueError(f"tree {cfg.tree!r} needs a saved drafter directory (its tree-search.json)")
             from draftlab.distill.tree_select import searched_tree_file
 
-            cfg = cfg.model_copy(update={"tree": str(searched_tree_file(saved, int(searched.group(1))))})
+            cfg = cfg.model_copy(update={"tree": str(searched_tree_file(saved, budget))})
         k = cfg.k or 4
         depth_needed = load_tree(cfg.tree or "default").depth if "draftlab_tree" in cfg.methods else k
         drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)

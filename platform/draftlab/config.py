@@ -165,8 +165,8 @@ def apply_dotted(data: dict, overrides: dict) -> dict:
     return data
 
 
-def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -> M:
-    """Load a YAML file into `model`, applying dotted `overrides` (`a.b=1`) on top."""
+def read_mapping(path: str | Path) -> dict:
+    """The top-level mapping of a YAML file; errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -176,7 +176,12 @@ def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    apply_dotted(data, overrides or {})
+    return data
+
+
+def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -> M:
+    """Load a YAML file into `model`, applying dotted `overrides` (`a.b=1`) on top."""
+    data = apply_dotted(read_mapping(path), overrides or {})
     try:
         return model.model_validate(data)
     except ValidationError as e:

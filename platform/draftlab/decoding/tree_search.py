@@ -12,11 +12,18 @@ root finds (and which is prefix-closed by construction).
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Sequence
 
 from draftlab.decoding.tree import Tree, TreeError
 
 Acceptance = Sequence[Sequence[float]]  # (depth, ranks) conditional acceptance rates
+
+
+def searched_budget(spec: str | None) -> int | None:
+    """n for a `searched-<n>` tree spec (the best n-node tree of a drafter), else None."""
+    match = re.fullmatch(r"searched-([1-9][0-9]*)", spec or "")
+    return int(match.group(1)) if match else None
 
 
 def _check(acc: Acceptance) -> None:

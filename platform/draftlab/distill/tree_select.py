@@ -67,14 +67,20 @@ def select_tree(
 
 
 def choose_tree(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
-    """The tree of `cfg.bench.tree` for this drafter (`searched`: `select_tree` on the
-    held-out split), saved into `out_dir`; returns the `tree.json` path."""
+    """The tree of `cfg.bench.tree` for this drafter, saved into `out_dir` as `tree.json`."""
+    if cfg.bench.tree == "searched":
+        return search_and_save(cfg, drafter, target, evalset, out_dir)
+    # a given tree may be deeper than this drafter's k: keep its first k levels
+    return save_tree(load_tree(cfg.bench.tree).truncated(cfg.drafter.k), None, out_dir)
+
+
+def search_and_save(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+    """`select_tree` on the held-out split with the `cfg.bench.search_*` settings; saves
+    `tree.json` and `tree-search.json` into `out_dir` and returns the `tree.json` path."""
     from draftlab.distill.worker import group_count
 
-    if cfg.bench.tree != "searched":  # a given tree may be deeper than this drafter's k: keep k levels
-        return save_tree(load_tree(cfg.bench.tree).truncated(cfg.drafter.k), None, out_dir)
-    rows = [evalset[i] for i in range(len(evalset))]
     b = cfg.bench
+    rows = [evalset[i] for i in range(len(evalset))]
     tree, report = select_tree(
         drafter, target, rows, group_count(cfg), b.search_budgets, b.search_ranks, b.search_context, depth=cfg.drafter.k
     )
@@ -82,7 +88,7 @@ def choose_tree(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset
 
 
 def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> dict:
-    """`draftlab select-tree`: redo the end-of-training choice for a trained drafter (default:
+    """`draftlab select-tree`: redo the end-of-training search for a trained drafter (default:
     the run's drafter directory) on its cached held-out data; returns the search report."""
     from draftlab.data.selfdistill import load_or_generate
     from draftlab.distill.trainer import output_dir
@@ -90,8 +96,7 @@ def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> d
     drafter_dir = drafter_dir or output_dir(cfg)
     target = load_target(cfg.target)
     evalset = load_or_generate(cfg.data, cfg.target, progress=False)["eval"]
-    path = choose_tree(cfg.model_copy(update={"bench": cfg.bench.model_copy(update={"tree": "searched"})}),
-                       load_drafter(drafter_dir, target), target, evalset, drafter_dir)
+    path = search_and_save(cfg, load_drafter(drafter_dir, target), target, evalset, drafter_dir)
     return json.loads((path.parent / "tree-search.json").read_text())
 
 

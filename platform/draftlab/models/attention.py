@@ -32,6 +32,11 @@ NAME = "draftlab"
 BLOCK = 16  # key padding granule: a multiple of the CPU flash kernel's vector block
 
 
+def _padded(n: int) -> int:
+    """n keys rounded up to whole BLOCKs."""
+    return -(-n // BLOCK) * BLOCK
+
+
 @dataclass(frozen=True)
 class RowPlan:
     """Which cache keys each query row sees, padded to a multiple of BLOCK keys.
@@ -58,7 +63,7 @@ class RowPlan:
             raise ValueError("a row plan needs at least one row")
         prefixes = all(isinstance(r, int) for r in rows)
         lengths = torch.tensor([r if prefixes else len(r) for r in rows], device=device)  # (T,)
-        keys = -(-int(lengths.max()) // BLOCK) * BLOCK  # Lp
+        keys = _padded(int(lengths.max()))  # Lp
         visible = torch.arange(keys, device=device)[None, :] < lengths[:, None]  # (T, Lp)
         index = None
         if not prefixes:
@@ -74,7 +79,7 @@ class RowPlan:
 
         ancestors: (T, A) block offsets, padded with anything; counts: (T,).
         """
-        keys = -(-(ctx + int(counts.max())) // BLOCK) * BLOCK  # Lp
+        keys = _padded(ctx + int(counts.max()))  # Lp
         cols = torch.arange(keys, device=ancestors.device)  # (Lp,)
         slot = (cols - ctx).clamp(0, ancestors.shape[1] - 1)  # (Lp,) ancestor slot of a block column
         index = torch.where(cols < ctx, cols, ctx + ancestors[:, slot])  # (T, Lp)

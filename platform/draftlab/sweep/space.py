@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from draftlab.config import (
@@ -23,8 +22,11 @@ from draftlab.config import (
     StrictModel,
     apply_dotted,
     format_validation_error,
+    load_yaml,
+    read_mapping,
 )
 from draftlab.decoding.tree import available_trees
+from draftlab.decoding.tree_search import searched_budget
 
 Scalar = int | float | str | bool
 RANGES = ("uniform", "loguniform", "randint")
@@ -95,7 +97,7 @@ class SweepConfig(StrictModel):
     def _trees(cls, trees: list[str]) -> list[str]:
         presets = [t for t in available_trees() if "<" not in t]
         for t in trees:
-            if t != "chain" and not re.fullmatch(r"(chain|searched)-[1-9][0-9]*", t) and t not in presets:
+            if t != "chain" and not re.fullmatch(r"chain-[1-9][0-9]*", t) and searched_budget(t) is None and t not in presets:
                 raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)})")
         return trees
 
@@ -111,21 +113,9 @@ def load_sweep(path: str | Path, overrides: dict | None = None) -> tuple[SweepCo
     """The sweep and its base DistillConfig (as a dict); every space value is checked
     against the base, so a bad field or value names the sweep file and the field."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    apply_dotted(data, overrides or {})
-    try:
-        sweep = SweepConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(path))) from None
+    sweep = load_yaml(SweepConfig, path, overrides)
     base_file = _resolve(sweep.base, path)
-    base = apply_dotted(yaml.safe_load(base_file.read_text()) or {}, sweep.overrides)
+    base = apply_dotted(read_mapping(base_file), sweep.overrides)
     trial_config(base, {}, where=f"{path}: overrides (base {base_file})")
     if sweep.search.algorithm == "grid":
         ranged = [k for k, d in sweep.space.items() if isinstance(d, dict)]
