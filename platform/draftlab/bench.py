@@ -87,7 +87,7 @@ def _summarise(runs: list[tuple[str, Run]]) -> dict:
         fwd = sum(r.forwards for r in items)
         # tau: tokens per target forward after the prefill (which yields the first token).
         tau = (toks - len(items)) / fwd if fwd else 1.0
-        return {"tokens_per_s": toks / secs if secs else 0.0, "tau": tau, "tokens": toks, "seconds": secs}
+        return {"tokens_per_s": toks / secs if secs else 0.0, "tau": tau, "tokens": toks, "seconds": secs, "forwards": fwd}
 
     by_cat: dict[str, list[Run]] = defaultdict(list)
     for cat, r in runs:
@@ -126,11 +126,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     return bench_loaded(target, drafter, cfg, progress)
 
 
-def bench_loaded(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool = True) -> dict:
-    """Run the bench with an already loaded target and drafter (e.g. at the end of training)."""
+def bench_loaded(
+    target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool = True, trees: dict[str, Tree] | None = None
+) -> dict:
+    """Run the bench with an already loaded target and drafter (e.g. at the end of training).
+
+    `trees` adds one method per named tree, `draftlab_tree:<name>`, interleaved with the
+    others: a sweep measures all of a drafter's trees against one `ar` baseline.
+    """
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
-    methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
+    trees = trees or {}
+    methods = ["ar"] + [m for m in cfg.methods if m != "ar"] + [f"draftlab_tree:{name}" for name in trees]
     spec_methods = [m for m in methods if m.startswith("draftlab_")]
     if spec_methods and drafter is None:
         raise ValueError(f"methods {spec_methods} need a drafter (--drafter PATH or init:<family>)")
@@ -144,12 +151,14 @@ def bench_loaded(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, p
         runners["hf_prompt_lookup"] = _hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
     tree, k = None, cfg.k
     if spec_methods:
-        tree = load_tree(cfg.tree or "default")
         k = cfg.k or drafter.cfg.k
         if "draftlab_chain" in methods:
             runners["draftlab_chain"] = _engine_runner(SpeculativeDecoder(target, drafter, Tree.chain(k)).generate, params)
         if "draftlab_tree" in methods:
+            tree = load_tree(cfg.tree or "default")
             runners["draftlab_tree"] = _engine_runner(SpeculativeDecoder(target, drafter, tree).generate, params)
+        for name, named in trees.items():
+            runners[f"draftlab_tree:{name}"] = _engine_runner(SpeculativeDecoder(target, drafter, named).generate, params)
 
     encoded = [(p, target.encode_prompt(p.text)) for p in prompts]
     for _, ids in encoded[: cfg.warmup]:  # untimed: first-call allocations, lazy inits

@@ -4,6 +4,8 @@
     draftlab profile --target smollm2-135m --json profile.json
     draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
     draftlab select-tree -c jobs/configs/smollm2-135m-parallel-k4.yaml
+    draftlab sweep -c sweeps/smollm2-135m-cpu.yaml [dotted.field=value ...]
+    draftlab sweep --resume .draftlab/ray/sweeps/smollm2-135m-cpu
     draftlab promote RUN_ID
     draftlab runs
 
@@ -78,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--drafter", default=None, help="drafter dir (default: the run's, under storage_path/name)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. bench.search_budgets=[1,2,4]")
 
+    s = sub.add_parser("sweep", help="Ray Tune sweep of K, depth and tree shape against measured speedup (champion -> MLflow)")
+    s.add_argument("-c", "--config", default=None, help="sweep YAML (see sweeps/)")
+    s.add_argument("--resume", default=None, metavar="PATH", help="continue an interrupted sweep from its directory")
+    s.add_argument("--json", dest="json_out", default=None, help="also write the summary here")
+    s.add_argument("--quiet", action="store_true", help="no live progress table")
+    s.add_argument("overrides", nargs="*", help="dotted overrides of the sweep file, e.g. search.max_concurrent_trials=1")
+
     m = sub.add_parser("promote", help="make a distillation run's drafter the registered model's champion")
     m.add_argument("run_id", help="MLflow run id of a distillation (see `draftlab runs`)")
     m.add_argument("--model", default=None, help="registered model name (default: the one the run registered under)")
@@ -107,6 +116,28 @@ def _select_tree(a: argparse.Namespace) -> None:
         print(f"{c['nodes']:3d} nodes, depth {c['depth']}: expected tau {c['expected_tau']:.3f}, "
               f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
     print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
+
+
+def _sweep(a: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from draftlab.sweep.runner import format_table, resume_sweep, run_sweep
+
+    if bool(a.config) == bool(a.resume):
+        raise ConfigError("give exactly one of -c SWEEP.yaml (a new sweep) or --resume PATH (an interrupted one)")
+    if a.resume and a.overrides:
+        raise ConfigError("--resume continues the sweep as it was defined: overrides are not allowed")
+    summary = resume_sweep(a.resume, not a.quiet) if a.resume else run_sweep(a.config, parse_overrides(a.overrides), not a.quiet)
+    print(format_table(summary))
+    best, champ = summary.get("best"), summary.get("champion")
+    if best:
+        print(f"best: K={best['k']} depth={best['depth']} tree={best['tree']}: tau {best['tau']:.3f}, "
+              f"speedup_vs_ar {best['speedup_vs_ar']:.3f} (MLflow run {best['mlflow_run_id']})")
+    if champ:
+        print(f"champion: {champ['model']} version {champ['version']} @{champ['alias']}")
+    print(f"wall {summary['wall_s']:.0f} s; results in {summary['experiment_dir']}/results")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
 
 def _promote(a: argparse.Namespace) -> None:
@@ -144,7 +175,7 @@ def _profile(a: argparse.Namespace) -> None:
     print(json.dumps(run_profile(cfg), indent=2))
 
 
-COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "promote": _promote, "runs": _runs}
+COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs}
 
 
 def main(argv: list[str] | None = None) -> int:

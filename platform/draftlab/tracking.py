@@ -522,6 +522,7 @@ def promote(run_id: str, registered_model: str | None = None, alias: str = "cham
         previous = None
     params, metrics = run.data.params, run.data.metrics
     tags = {"k": params.get("drafter.k"), "depth": params.get("drafter.depth"), "family": params.get("drafter.family"),
+            "tree": params.get("tree") or params.get("bench.tree"), "hardware": run.data.tags.get("draftlab.hardware"),
             "tau": metrics.get("tau"), "speedup_vs_ar": metrics.get("speedup_vs_ar"),
             f"{alias}_since_ms": _now_ms(), f"replaced_{alias}_version": previous}
     for key, value in tags.items():

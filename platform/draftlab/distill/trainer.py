@@ -33,7 +33,10 @@ def output_dir(cfg: DistillConfig) -> str:
     return str(Path(storage_uri(cfg.storage_path)) / cfg.name / "drafter")
 
 
-def build_trainer(cfg: DistillConfig, data_path: str, mlflow_run_id: str | None, tracking_uri: str | None) -> TorchTrainer:
+def build_trainer(
+    cfg: DistillConfig, data_path: str, mlflow_run_id: str | None, tracking_uri: str | None, callbacks: list | None = None
+) -> TorchTrainer:
+    """`callbacks`: Ray Train `UserCallback`s (a Tune trial passes `TuneReportCallback`)."""
     sc = cfg.scaling
     return TorchTrainer(
         train_fn_per_worker,
@@ -56,6 +59,7 @@ def build_trainer(cfg: DistillConfig, data_path: str, mlflow_run_id: str | None,
             storage_path=storage_uri(cfg.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=sc.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=callbacks,
         ),
     )
 

@@ -43,9 +43,7 @@ def select_tree(
     depth (flagged in the report as `extrapolated_depths`): an optimistic guess, as its
     acceptance usually decays a little with depth.
     """
-    acc = rank_acceptance(drafter, target, rows, k, max_ranks=max_ranks)
-    extrapolated = max(0, (depth or k) - len(acc))
-    acc += [list(acc[-1])] * extrapolated
+    acc, extrapolated = acceptance_to_depth(drafter, target, rows, k, max_ranks, depth)
     trees: dict[tuple, Tree] = {}
     for n in sorted(set(budgets)):
         tree = best_tree(acc, n)
@@ -64,6 +62,29 @@ def select_tree(
     best = max(range(len(table)), key=lambda i: table[i]["predicted_speedup"])
     report = {"acceptance": acc, "extrapolated_depths": extrapolated, "context": context, "decode_ms": decode, "candidates": table, "chosen": table[best]["tree"]}
     return candidates[best], report
+
+
+def acceptance_to_depth(
+    drafter: DrafterNet, target: Target, rows: list[dict], k: int, max_ranks: int, depth: int | None
+) -> tuple[list[list[float]], int]:
+    """Held-out rank acceptance per depth (`k` measured, repeated down to `depth`), and how
+    many depths were extrapolated."""
+    acc = rank_acceptance(drafter, target, rows, k, max_ranks=max_ranks)
+    extrapolated = max(0, (depth or k) - len(acc))
+    return acc + [list(acc[-1])] * extrapolated, extrapolated
+
+
+def save_acceptance(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+    """Only the measurement half of the search: `tree-search.json` with the held-out rank
+    acceptance (what `searched-<n>` trees are built from), no timing and no `tree.json`.
+    A sweep measures its trees' speed instead of predicting it."""
+    from draftlab.distill.worker import group_count
+
+    rows = [evalset[i] for i in range(len(evalset))]
+    acc, extrapolated = acceptance_to_depth(drafter, target, rows, group_count(cfg), cfg.bench.search_ranks, cfg.drafter.k)
+    path = Path(out_dir) / "tree-search.json"
+    path.write_text(json.dumps({"acceptance": acc, "extrapolated_depths": extrapolated}, indent=2) + "\n")
+    return path
 
 
 def choose_tree(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:

@@ -184,6 +184,8 @@ def train_fn_per_worker(config: dict) -> dict:
     t_start, elapsed0 = time.perf_counter(), state["elapsed_s"]
     elapsed = elapsed0  # training seconds so far (all ranks agree)
     window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
+    # rank 0's last held-out evaluation (its metrics go with each report: Tune's ASHA reads them)
+    latest = {"step": -1, "stats": Stats(k), "metrics": {}}
 
     def report(final: bool = False) -> None:
         """Flush metrics, then commit a checkpoint (all ranks report; rank 0 attaches files).
@@ -192,7 +194,7 @@ def train_fn_per_worker(config: dict) -> dict:
         the two are dropped by `tracker.resume_after` instead of logged twice.
         """
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
-        metrics = {"step": state["step"], "epoch": state["epoch"], "tokens": state["tokens"], "final": final}
+        metrics = {"step": state["step"], "epoch": state["epoch"], "tokens": state["tokens"], "final": final, **latest["metrics"]}
         tracker.flush()
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = None
@@ -234,7 +236,9 @@ def train_fn_per_worker(config: dict) -> dict:
                 )
                 window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
             if rank == 0 and step % cfg.train.eval_every == 0 and len(evalset):
-                tracker.buffer_metrics(evaluate(module, target, evalset, cfg, k).metrics("eval"), step)
+                latest_stats = evaluate(module, target, evalset, cfg, k)
+                latest.update(step=step, stats=latest_stats, metrics=latest_stats.metrics("eval"))
+                tracker.buffer_metrics(latest["metrics"], step)
             # The slowest rank's clock: every rank takes the same lr and stop decisions.
             elapsed = _all_ranks_max(elapsed0 + time.perf_counter() - t_start, device)
             stop = elapsed >= budget_s
@@ -246,8 +250,11 @@ def train_fn_per_worker(config: dict) -> dict:
             state["epoch"] += 1
             state["batch"] = 0
     # -- end: final checkpoint, evaluation, drafter export and benchmark (rank 0) ------------
-    final_eval = evaluate(module, target, evalset, cfg, k) if rank == 0 and len(evalset) else Stats(k)
-    tracker.buffer_metrics(final_eval.metrics("eval"), state["step"])
+    if rank == 0 and len(evalset) and latest["step"] != state["step"]:  # not evaluated at this step yet
+        final_stats = evaluate(module, target, evalset, cfg, k)
+        latest.update(step=state["step"], stats=final_stats, metrics=final_stats.metrics("eval"))
+        tracker.buffer_metrics(latest["metrics"], state["step"])
+    final_eval = latest["stats"]
     report(final=True)
     digests = _gather(weights_digest(drafter))
     nodes = _gather(ray.get_runtime_context().get_node_id())

@@ -30,6 +30,7 @@ from draftlab.decoding.tree_search import searched_budget
 
 Scalar = int | float | str | bool
 RANGES = ("uniform", "loguniform", "randint")
+FIXED_SECTIONS = ("name", "target", "data", "tracking", "storage_path", "output_dir", "bench")
 
 
 class SearchSpec(StrictModel):
@@ -55,6 +56,8 @@ class AshaSpec(StrictModel):
     """Evaluations a trial gets before it can be stopped."""
     reduction_factor: float = Field(3.0, gt=1.0)
     """Keep the top 1/reduction_factor at each rung."""
+    max_t: int = Field(100, ge=1)
+    """Most evaluations a training reports (rungs sit at grace_period x reduction_factor^i < max_t)."""
 
 
 class SweepConfig(StrictModel):
@@ -76,6 +79,12 @@ class SweepConfig(StrictModel):
     """The search algorithm."""
     asha: AshaSpec | None = None
     """Early stopping; None = every trial trains to its budget."""
+    experiment: str = "draftlab-sweeps"
+    """MLflow experiment of the parent run (one per sweep) and its nested trial runs."""
+    promote: bool = True
+    """Give the best trial's drafter the `champion` alias on the target's registered model."""
+    max_failures: int = Field(1, ge=-1)
+    """Retries of a crashed trial (it resumes its training from the latest checkpoint)."""
 
     @field_validator("space")
     @classmethod
@@ -90,6 +99,17 @@ class SweepConfig(StrictModel):
             low_high = next(iter(dim.values()))
             if len(low_high) != 2 or not low_high[0] < low_high[1]:
                 raise ValueError(f"space.{key}: a range needs [low, high] with low < high, got {low_high}")
+        return space
+
+    @field_validator("space")
+    @classmethod
+    def _trainable_fields(cls, space: dict) -> dict:
+        for key in space:
+            if key.split(".")[0] in FIXED_SECTIONS:
+                raise ValueError(
+                    f"space.{key}: trials share one target, dataset and tracking setup; "
+                    f"sweep over drafter.*, train.* or scaling.* fields (set the others in the base or overrides)"
+                )
         return space
 
     @field_validator("trees")

@@ -1,0 +1,268 @@
+"""The sweep driver: `run_sweep(path)` / `resume_sweep(dir)`, shared by `draftlab sweep`
+and `sweeps/run.py` (for `ray job submit`).
+
+    draftlab sweep -c sweeps/smollm2-135m-cpu.yaml [dotted.field=value ...]
+    draftlab sweep --resume .draftlab/ray/sweeps/smollm2-135m-cpu
+
+Layout under the base config's `storage_path` (default `.draftlab/ray`):
+
+    sweeps/<name>/            Tune experiment (Tuner.restore resumes it) + sweep.json
+    sweeps/<name>/results/    results.csv, plots, best.json (also on the MLflow parent run)
+    trainings/<name>/         keyed trainings, shared by sweeps (see sweep/trial.py)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ray import tune
+
+from draftlab.config import ConfigError
+from draftlab.sweep.space import SweepConfig, load_sweep, max_concurrency, param_space, trial_config
+from draftlab.sweep.trial import SweepContext, plan, run_trial
+
+STATE_FILE = "sweep.json"
+TRIAL_MEMORY = 512 * 1024**2  # the coordinating trial process (imports torch, ray, mlflow)
+RESULTS = "results"
+
+
+class SweepCallback(tune.Callback):
+    """Marks trainings ASHA stopped (so the trials sharing them stop too) and prints a live
+    table: trial, K, depth, tree, status, training step, sim accept length, speedup."""
+
+    def __init__(self, ctx: SweepContext, progress: bool = True, every_s: float = 20.0):
+        self.ctx, self.progress, self.every_s = ctx, progress, every_s
+        self.rows: dict[str, dict] = {}
+        self._printed = 0.0
+
+    def _row(self, trial) -> dict:
+        c = trial.config
+        return self.rows.setdefault(trial.trial_id, {
+            "K": c.get("drafter.k", self.ctx.base["drafter"].get("k")),
+            "depth": c.get("drafter.depth", self.ctx.base["drafter"].get("depth")),
+            "tree": c.get("tree"), "status": "PENDING", "step": "", "sim": "", "speedup": "",
+        })
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._row(trial)["status"] = "RUNNING"
+        self._show(force=True)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        row = self._row(trial)
+        if "status" in result:  # the trial's final report
+            row["status"] = result["status"]
+            row["speedup"] = f"{result['speedup_vs_ar']:.3f}" if "speedup_vs_ar" in result else ""
+        else:  # a training report
+            row["status"], row["step"] = "training", result.get("step", "")
+            if result.get("done"):  # the scheduler stopped it: the trials sharing it stop too
+                self._mark_stopped(trial, result)
+                row["status"] = "stopped (ASHA)"
+        sim = result.get("eval/sim_accept_len")
+        row["sim"] = f"{sim:.3f}" if isinstance(sim, float) else row["sim"]
+        self._show(force="status" in result or result.get("done", False))
+
+    def _mark_stopped(self, trial, result: dict) -> None:
+        p = plan(trial.config, self.ctx)
+        (p.dir / "stopped.json").write_text(json.dumps({
+            "trial": trial.trial_id, "step": result.get("step"),
+            "eval/sim_accept_len": result.get("eval/sim_accept_len"), "time": time.time(),
+        }) + "\n")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        row = self._row(trial)
+        if row["status"] in ("RUNNING", "training"):
+            row["status"] = "finished"
+        self._show(force=True)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._row(trial)["status"] = "ERROR"
+        self._show(force=True)
+
+    def _show(self, force: bool = False) -> None:
+        if not self.progress or (not force and time.monotonic() - self._printed < self.every_s):
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"sweep {self.ctx.sweep}", show_lines=False)
+        for col in ("trial", "K", "depth", "tree", "status", "step", "sim accept", "speedup"):
+            table.add_column(col)
+        for tid, r in self.rows.items():
+            table.add_row(tid, *(str(r[c]) for c in ("K", "depth", "tree", "status", "step", "sim", "speedup")))
+        Console(stderr=True).print(table)
+        self._printed = time.monotonic()
+
+
+def _paths(base: dict, name: str) -> tuple[Path, Path]:
+    from draftlab.distill.trainer import storage_uri
+
+    root = Path(storage_uri(base.get("storage_path", ".draftlab/ray")))
+    return root / "sweeps" / name, root / "trainings"
+
+
+def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bool):
+    import ray
+
+    cfg = trial_config(base, {})
+    sc = cfg.scaling
+    concurrency = sweep.search.max_concurrent_trials or max_concurrency(
+        ray.cluster_resources(), sc.cpus_per_worker * sc.num_workers, float(sc.num_workers) if sc.use_gpu else 0.0
+    )
+    scheduler = None
+    if sweep.asha:
+        from ray.tune.schedulers import ASHAScheduler
+
+        a = sweep.asha
+        scheduler = ASHAScheduler(time_attr="training_iteration", metric=a.metric, mode="max", max_t=a.max_t,
+                                  grace_period=a.grace_period, reduction_factor=a.reduction_factor)
+    search_alg, num_samples = None, sweep.search.num_samples
+    if sweep.search.algorithm != "grid":
+        num_samples = num_samples or max(8, 2 * concurrency)  # unset: two waves of the cluster, at least 8
+    if sweep.search.algorithm == "optuna":
+        from optuna.samplers import TPESampler
+        from ray.tune.search.optuna import OptunaSearch
+
+        search_alg = OptunaSearch(metric="speedup_vs_ar", mode="max", sampler=TPESampler(seed=sweep.search.seed))
+    tune_config = tune.TuneConfig(
+        num_samples=num_samples or 1, max_concurrent_trials=concurrency, scheduler=scheduler, search_alg=search_alg,
+    )
+    # The trial process only coordinates: its training workers and bench task reserve the
+    # CPUs/GPUs (a CPU held here would starve a training that needs the whole node), so it
+    # asks for memory only, and `max_concurrent_trials` bounds how many run at once.
+    trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), {"CPU": 0, "memory": TRIAL_MEMORY})
+    return trainable, tune_config, [SweepCallback(ctx, progress)], concurrency
+
+
+def run_sweep(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
+    """Run the sweep of `path`; returns the summary (also `results/summary.json`)."""
+    from draftlab.data.selfdistill import load_or_generate
+    from draftlab.distill.trainer import ensure_ray
+
+    sweep, base = load_sweep(path, overrides)
+    exp_dir, trainings = _paths(base, sweep.name)
+    ensure_ray()
+    cfg = trial_config(base, {})
+    data = load_or_generate(cfg.data, cfg.target, progress=progress)  # cached: never per trial
+    data_path = str(Path(data["train"].cache_files[0]["filename"]).parent.parent)
+    state = {"sweep": sweep.model_dump(mode="json"), "base": base, "source": str(path), "data_path": data_path}
+    return _run(sweep, base, state, exp_dir, trainings, progress, restore=False)
+
+
+def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
+    """Continue an interrupted sweep from its Tune experiment directory: finished trials
+    are kept, unfinished ones resume (their trainings from the latest checkpoint)."""
+    from draftlab.distill.trainer import ensure_ray
+
+    exp_dir = Path(exp_dir).expanduser().resolve()
+    state_file = exp_dir / STATE_FILE
+    if not state_file.is_file():
+        raise ConfigError(f"--resume {exp_dir}: no {STATE_FILE} here; pass the directory `draftlab sweep` printed "
+                          f"(<storage_path>/sweeps/<name>)")
+    state = json.loads(state_file.read_text())
+    sweep = SweepConfig.model_validate(state["sweep"])
+    ensure_ray()
+    _, trainings = _paths(state["base"], sweep.name)
+    return _run(sweep, state["base"], state, exp_dir, trainings, progress, restore=True)
+
+
+def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: Path, progress: bool, restore: bool) -> dict:
+    from draftlab.tracking import Tracker, resolve_tracking_uri
+
+    cfg = trial_config(base, {})
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    parent = Tracker(tracking_uri=uri, experiment=sweep.experiment, run_id=None, enabled=True)
+    parent_id = parent.start_or_resume(f"sweep-{sweep.name}", tags={
+        "draftlab.kind": "sweep", "draftlab.sweep": sweep.name, "draftlab.target": cfg.target.name,
+    })
+    if not restore:
+        parent.log_params({"sweep": sweep.model_dump(mode="json"), "base_config": state["source"]})
+    ctx = SweepContext(sweep=sweep.name, base=base, trees=sweep.trees, trainings=str(trainings),
+                       data_path=state["data_path"], tracking_uri=uri, experiment=sweep.experiment, parent_run_id=parent_id)
+    trainable, tune_config, callbacks, concurrency = _tuner_parts(sweep, base, ctx, progress)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    (exp_dir / STATE_FILE).write_text(json.dumps(state | {"parent_run_id": parent_id}, indent=2) + "\n")
+    if progress:
+        print(f"sweep {sweep.name}: {exp_dir} (resume: draftlab sweep --resume {exp_dir}); "
+              f"{concurrency} trial(s) at a time; MLflow parent run {parent_id}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        if restore:
+            tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+        else:
+            tuner = tune.Tuner(
+                trainable, param_space=param_space(sweep), tune_config=tune_config,
+                run_config=tune.RunConfig(
+                    name=sweep.name, storage_path=str(exp_dir.parent), callbacks=callbacks, verbose=0,
+                    failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+                ),
+            )
+        grid = tuner.fit()
+    except BaseException:
+        parent.end("FAILED")
+        raise
+    summary = summarise(grid, sweep, exp_dir / RESULTS)
+    summary |= {"wall_s": time.perf_counter() - t0, "experiment_dir": str(exp_dir), "mlflow_parent_run_id": parent_id}
+    parent.log_artifacts(str(exp_dir / RESULTS), RESULTS)
+    best = summary.get("best")
+    if best:
+        parent.log_metrics_now({"best_speedup_vs_ar": best["speedup_vs_ar"], "best_tau": best["tau"],
+                                "trials_done": summary["trials_done"], "trials_stopped": summary["trials_stopped"],
+                                "sweep_wall_s": summary["wall_s"]}, 0)
+        parent.set_tags({"draftlab.best_run_id": best["mlflow_run_id"]})
+        if sweep.promote:
+            from draftlab.distill.trainer import registered_name
+            from draftlab.tracking import promote
+
+            summary["champion"] = promote(best["mlflow_run_id"], registered_name(cfg), tracking_uri=uri)
+    (exp_dir / RESULTS / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    parent.log_dict(summary, f"{RESULTS}/summary.json")
+    parent.end("FINISHED" if best else "FAILED")
+    return summary
+
+
+ROW_KEYS = ("family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "tokens_per_s", "ar_tokens_per_s",
+            "draft_ms", "verify_ms", "drafter_parameters", "train_steps", "eval/sim_accept_len", "tau_by_category",
+            "trained_here", "training_key", "mlflow_run_id", "greedy_identical")
+
+
+def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
+    """Rows of the finished trials, the results files and the best trial."""
+    from draftlab.sweep.report import write_csv, write_plots
+
+    rows, other = [], []
+    for r in grid:
+        m = r.metrics or {}
+        trial = m.get("trial_id") or (Path(r.path).name if r.path else "?")
+        if m.get("status") == "done":
+            rows.append({"trial": trial, **{k: m.get(k) for k in ROW_KEYS}})
+        else:
+            other.append({"trial": trial, "status": m.get("status") or ("error" if r.error else "stopped (ASHA)"),
+                          "config": r.config, "error": str(r.error) if r.error else None,
+                          "step": m.get("step"), "eval/sim_accept_len": m.get("eval/sim_accept_len")})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"sweep": sweep.name, "trials": len(rows) + len(other), "trials_done": len(rows),
+                     "trials_stopped": len(other), "rows": rows, "not_finished": other}
+    if not rows:
+        return summary
+    write_csv(rows, out_dir / "results.csv")
+    write_plots(rows, out_dir)
+    best = max(rows, key=lambda r: r["speedup_vs_ar"])
+    summary["best"] = best
+    summary["best_by_tree"] = {t: max(r["speedup_vs_ar"] for r in rows if r["tree"] == t)
+                               for t in dict.fromkeys(r["tree"] for r in rows)}
+    (out_dir / "best.json").write_text(json.dumps(best, indent=2) + "\n")
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    """The results as a fixed-width table (best first)."""
+    cols = ("trial", "family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "trained_here")
+    lines = ["  ".join(f"{c:>13}" for c in cols)]
+    for r in sorted(summary.get("rows", []), key=lambda r: -r["speedup_vs_ar"]):
+        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        lines.append("  ".join(f"{c:>13}" for c in cells))
+    for o in summary.get("not_finished", []):
+        lines.append(f"{o['trial']:>13}  {o['status']}  {o['config']}")
+    return "\n".join(lines)

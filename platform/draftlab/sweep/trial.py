@@ -1,0 +1,248 @@
+"""One sweep trial: (training parameters, tree shape) -> speedup measured by the real engine.
+
+Tune calls `run_trial(params, ctx)`. Trials that differ only in the tree share a training,
+found by `training_key` under `<storage>/trainings/<name>/`:
+
+    <name>/                  Ray Train run directory (checkpoints: a restarted trial resumes)
+      drafter/               the exported drafter, with tree-search.json (held-out rank
+                             acceptance: what `searched-<n>` trees are built from)
+      fits.jsonl             one line per fit started (which trial trained it)
+      done.json              the training summary, written last
+      stopped.json           ASHA stopped the training trial: trials sharing it stop too
+      evals-<digest>.json    tree -> bench result, per bench setting
+      .lock                  held while training or benchmarking the key
+
+The first trial of a key trains it (its training reports reach Tune through
+`TuneReportCallback`, so ASHA judges it), then benchmarks *all* of the sweep's trees for the
+drafter in one interleaved run on a task with the trial's resources: every tree's speedup is
+taken against one `ar` baseline measured side by side, and the other trials of the key read
+their row instead of re-measuring. Each trial then logs a nested MLflow run (params, its
+tree's metrics, the drafter with its `tree.json`) and reports its final result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab.config import DistillConfig
+from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.tree_search import searched_budget
+from draftlab.sweep.space import training_key, trial_config
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    """What every trial of one sweep shares (passed with `tune.with_parameters`)."""
+
+    sweep: str
+    base: dict  # the base DistillConfig, sweep overrides applied
+    trees: list[str]  # the sweep's tree shapes (benchmarked together per drafter)
+    trainings: str  # absolute directory of the keyed trainings
+    data_path: str  # the cached self-distillation dataset
+    tracking_uri: str
+    experiment: str
+    parent_run_id: str | None
+    tags: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A trial's training: its config, key and directory."""
+
+    cfg: DistillConfig
+    key: str
+    dir: Path
+
+
+def plan(params: dict, ctx: SweepContext) -> Plan:
+    """The training a trial with Tune `params` needs (the `tree` param is not training)."""
+    probe = trial_config(ctx.base, {k: v for k, v in params.items() if k != "tree"})
+    key = training_key(probe)
+    d = probe.drafter
+    name = f"{d.family}-k{d.k}-d{d.depth}-{key}"
+    run_dir = Path(ctx.trainings) / name
+    cfg = probe.model_copy(update={
+        "name": name,
+        "storage_path": ctx.trainings,
+        "output_dir": str(run_dir / "drafter"),
+        "bench": probe.bench.model_copy(update={"enabled": False}),  # the trial benchmarks
+        "tracking": probe.tracking.model_copy(update={"register_model": False}),
+    })
+    return Plan(cfg, key, run_dir)
+
+
+def resolve_tree(spec: str, drafter_dir: str | Path, k: int) -> Tree:
+    """A sweep tree name for a drafter drafting `k` deep: `chain` (= chain-k), `chain-<n>`,
+    a preset (cut to depth k) or `searched-<n>` (from the drafter's tree-search.json)."""
+    if spec == "chain":
+        return Tree.chain(k)
+    budget = searched_budget(spec)
+    if budget:
+        from draftlab.distill.tree_select import searched_tree_file
+
+        found = load_tree(str(searched_tree_file(drafter_dir, budget)), k)
+        return Tree.from_paths([list(p) for p in found.paths], spec)
+    return load_tree(spec).truncated(k)
+
+
+def _remote_options(cfg: DistillConfig) -> dict:
+    """The trial's resources for its own work: one training worker's worth."""
+    # DEFAULT: outside the trial's placement group (which holds no CPU), like Train's workers
+    return {"num_cpus": cfg.scaling.cpus_per_worker, "num_gpus": 1 if cfg.scaling.use_gpu else 0,
+            "scheduling_strategy": "DEFAULT"}
+
+
+def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
+    import datasets
+
+    from draftlab.distill.tree_select import save_acceptance
+    from draftlab.models.drafters.network import load_drafter
+    from draftlab.models.target import load_target
+
+    cfg = DistillConfig.model_validate(cfg_json)
+    target = load_target(cfg.target)
+    evalset = datasets.load_from_disk(data_path)["eval"].with_format(None)
+    save_acceptance(cfg, load_drafter(cfg.output_dir, target), target, evalset, cfg.output_dir)
+
+
+def _bench_trees(cfg_json: dict, trees: list[str]) -> dict[str, dict]:
+    """Every tree of `trees` and `ar`, interleaved prompt by prompt in one bench run."""
+    from draftlab.bench import bench_loaded
+    from draftlab.config import BenchConfig
+    from draftlab.models.drafters.network import load_drafter
+    from draftlab.models.target import load_target
+
+    cfg = DistillConfig.model_validate(cfg_json)
+    target = load_target(cfg.target)
+    drafter = load_drafter(cfg.output_dir, target)
+    resolved = {name: resolve_tree(name, cfg.output_dir, cfg.drafter.k) for name in trees}
+    b = cfg.bench
+    bcfg = BenchConfig(target=cfg.target, drafter=cfg.output_dir, prompts=b.prompts, limit=b.limit,
+                       max_new_tokens=b.max_new_tokens, methods=["ar"])
+    report = bench_loaded(target, drafter, bcfg, progress=False, trees=resolved)
+    ar = report["methods"]["ar"]
+    out = {}
+    for name, tree in resolved.items():
+        m = report["methods"][f"draftlab_tree:{name}"]
+        out[name] = {
+            "speedup_vs_ar": m["speedup_vs_ar"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
+            "ar_tokens_per_s": ar["tokens_per_s"],
+            "draft_ms": 1000 * m["draft_s"] / max(1, m["forwards"]),  # per round
+            "verify_ms": 1000 * m["verify_s"] / max(1, m["forwards"]),
+            "tree_nodes": tree.num_nodes, "tree_depth": tree.depth, "paths": [list(p) for p in tree.paths],
+            "per_position_acceptance": m.get("per_position_acceptance"),
+            "tau_by_category": {c: v["tau"] for c, v in m["by_category"].items()},
+            "greedy_identical": report["greedy_identical"], "device": report["device"],
+            "prompts": report["prompts"], "max_new_tokens": report["max_new_tokens"],
+        }
+    return out
+
+
+def _run_task(fn, cfg: DistillConfig, *args):
+    import ray
+
+    return ray.get(ray.remote(fn).options(**_remote_options(cfg)).remote(cfg.model_dump(mode="json"), *args))
+
+
+def _bench_digest(cfg: DistillConfig) -> str:
+    b = cfg.bench
+    spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def ensure_trained(p: Plan, ctx: SweepContext, run_id: str | None, trial_id: str) -> dict:
+    """The training summary of `p` (`{"stopped": ...}` if ASHA stopped it); trains, or
+    resumes an interrupted training, only when no finished one exists. Caller holds the lock."""
+    done, stopped = p.dir / "done.json", p.dir / "stopped.json"
+    if done.is_file():
+        return json.loads(done.read_text()) | {"trained_here": False}
+    if stopped.is_file():
+        return {"stopped": json.loads(stopped.read_text())}
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from draftlab.distill.trainer import build_trainer
+
+    p.dir.mkdir(parents=True, exist_ok=True)
+    with (p.dir / "fits.jsonl").open("a") as f:
+        f.write(json.dumps({"trial": trial_id, "mlflow_run_id": run_id, "time": time.time()}) + "\n")
+    result = build_trainer(p.cfg, ctx.data_path, run_id, ctx.tracking_uri, callbacks=[TuneReportCallback()]).fit()
+    summary = {k: v for k, v in (result.return_value or {}).items() if k != "worker_nodes"}
+    _run_task(_measure_acceptance, p.cfg, ctx.data_path)
+    summary |= {"key": p.key, "trained_by": trial_id, "mlflow_run_id": run_id}
+    _atomic_write(done, summary)
+    return summary | {"trained_here": True}
+
+
+def ensure_evaluated(p: Plan, ctx: SweepContext, tree: str) -> dict:
+    """`tree`'s bench result for this drafter; benches every sweep tree not yet measured
+    (plus `tree`) in one run when `tree` is missing. Caller holds the lock."""
+    path = p.dir / f"evals-{_bench_digest(p.cfg)}.json"
+    evals = json.loads(path.read_text()) if path.is_file() else {}
+    if tree not in evals:
+        missing = [t for t in dict.fromkeys([*ctx.trees, tree]) if t not in evals]
+        evals |= _run_task(_bench_trees, p.cfg, missing)
+        _atomic_write(path, evals)
+    return evals[tree]
+
+
+def _atomic_write(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def run_trial(params: dict, ctx: SweepContext) -> None:
+    """The Tune function trainable."""
+    from filelock import FileLock
+    from ray import tune
+
+    from draftlab.tracking import Tracker
+
+    trial = tune.get_context()
+    trial_id = trial.get_trial_id()
+    p = plan(params, ctx)
+    d = p.cfg.drafter
+    tree = params.get("tree", "chain")
+    base = {"k": d.k, "depth": d.depth, "family": d.family, "tree": tree, "training_key": p.key}
+    tracker = Tracker(tracking_uri=ctx.tracking_uri, experiment=ctx.experiment, run_id=None, enabled=True)
+    tags = {**ctx.tags, "draftlab.kind": "sweep-trial", "draftlab.sweep": ctx.sweep, "draftlab.target": p.cfg.target.name,
+            "draftlab.family": d.family, "draftlab.training_key": p.key, "draftlab.trial_id": trial_id, "draftlab.tree": tree}
+    if ctx.parent_run_id:
+        tags["mlflow.parentRunId"] = ctx.parent_run_id
+    run_id = tracker.start_or_resume(f"{ctx.sweep}-{trial_id}", tags=tags)
+    tracker.log_params(p.cfg.model_dump(mode="json") | {"tree": tree, "training_key": p.key})
+    p.dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(p.dir / ".lock")):
+        summary = ensure_trained(p, ctx, run_id, trial_id)
+        if "stopped" in summary:
+            stop = summary["stopped"]
+            tracker.set_tags({"draftlab.status": "stopped", "draftlab.stopped_by": stop.get("trial")})
+            tracker.end("KILLED")
+            tune.report({**base, "status": "stopped", "eval/sim_accept_len": stop.get("eval/sim_accept_len", 0.0),
+                         "mlflow_run_id": run_id})
+            return
+        result = ensure_evaluated(p, ctx, tree)
+    metrics = {k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    training = {"drafter_parameters": summary["drafter_parameters"], "train_steps": summary["steps"],
+                "eval/sim_accept_len": summary["eval_sim_accept_len"]}
+    # the training trial's run already holds the training metrics (logged by its worker)
+    tracker.log_metrics_now(metrics if summary["trained_here"] else metrics | training, summary["steps"])
+    metrics |= training
+    tracker.log_dict(result, "bench.json")
+    with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
+        staged = Path(tmp) / "drafter"
+        shutil.copytree(p.cfg.output_dir, staged)
+        (staged / "tree.json").write_text(json.dumps(result["paths"]) + "\n")
+        tracker.log_artifacts(str(staged), "drafter")
+    tracker.set_tags({"draftlab.status": "done", "draftlab.trained_here": str(summary["trained_here"]),
+                      "draftlab.hardware": result["device"]})
+    tracker.end("FINISHED")
+    tune.report({**base, **metrics, "status": "done", "tau_by_category": result["tau_by_category"],
+                 "greedy_identical": result["greedy_identical"], "trained_here": summary["trained_here"],
+                 "drafter_dir": p.cfg.output_dir, "mlflow_run_id": run_id})

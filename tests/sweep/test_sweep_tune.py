@@ -1,0 +1,143 @@
+"""Real Ray Tune sweeps on a tiny target: Ray Train inside Tune trials, the engine's bench,
+ASHA, MLflow parent/child runs and the champion alias on a real tracking server, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+import ray
+import yaml
+
+from distill_support import tiny_config
+from draftlab.config import TrainConfig
+from draftlab.sweep.runner import resume_sweep, run_sweep
+from mlflow_server import MlflowServer
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+# Ray Train's controller polls workers every 2 s by default; 0.1 s shortens each fit.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
+        yield server.url
+
+
+def write_sweep(tmp: Path, uri: str, name: str, train: TrainConfig | None = None, **doc) -> Path:
+    """A tiny base distill config and a sweep over it (2 trainings x 2 trees by default)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = tiny_config(tmp, f"{name}-base", uri, **({"train": train} if train else {}))
+    (tmp / "base.yaml").write_text(yaml.safe_dump(base.model_dump(mode="json")))
+    sweep = {"name": name, "base": "base.yaml", "space": {"drafter.k": [2, 3]}, "trees": ["chain", "searched-3"],
+             "search": {"max_concurrent_trials": 1}, **doc}
+    (tmp / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    return tmp / "sweep.yaml"
+
+
+def fits(tmp: Path) -> dict[str, int]:
+    """Training directory -> how many fits were started in it."""
+    return {p.parent.name: len(p.read_text().splitlines()) for p in (tmp / "ray" / "trainings").glob("*/fits.jsonl")}
+
+
+def test_sweep_trains_once_per_config_and_promotes_the_fastest(ray_local, mlflow_uri, tmp_path):
+    summary = run_sweep(write_sweep(tmp_path, mlflow_uri, "two-by-two"), progress=False)
+
+    assert summary["trials_done"] == 4 and not summary["not_finished"]
+    assert sorted(fits(tmp_path).values()) == [1, 1]  # 2 trained configs, each trained once
+    rows = summary["rows"]
+    assert {(r["k"], r["tree"]) for r in rows} == {(2, "chain"), (3, "chain"), (2, "searched-3"), (3, "searched-3")}
+    assert sum(r["trained_here"] for r in rows) == 2
+    assert all(r["greedy_identical"] for r in rows)
+    for r in rows:  # trees of one drafter share its training and its ar baseline
+        twin = next(o for o in rows if o["k"] == r["k"] and o is not r)
+        assert twin["training_key"] == r["training_key"] and twin["ar_tokens_per_s"] == r["ar_tokens_per_s"]
+    best = max(rows, key=lambda r: r["speedup_vs_ar"])
+    assert summary["best"]["mlflow_run_id"] == best["mlflow_run_id"]
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    parent = client.get_run(summary["mlflow_parent_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["draftlab.kind"] == "sweep"
+    assert parent.data.metrics["best_speedup_vs_ar"] == pytest.approx(best["speedup_vs_ar"])
+    results = {a.path for a in client.list_artifacts(parent.info.run_id, "results")}
+    assert {"results/results.csv", "results/pareto.png", "results/speedup_vs_k.png",
+            "results/speedup_vs_tree_budget.png", "results/tau_by_category.png", "results/best.json"} <= results
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(children) == 4 and {c.info.run_id for c in children} == {r["mlflow_run_id"] for r in rows}
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert {"drafter.k", "tree", "training_key"} <= set(child.data.params)
+        assert "speedup_vs_ar" in child.data.metrics
+        tree = json.loads(Path(mlflow.artifacts.download_artifacts(
+            run_id=child.info.run_id, artifact_path="drafter/tree.json", tracking_uri=mlflow_uri)).read_text())
+        row = next(r for r in rows if r["mlflow_run_id"] == child.info.run_id)
+        assert len(tree) == row["tree_nodes"]  # the served tree is the trial's own
+
+    champion = client.get_model_version_by_alias(summary["champion"]["model"], "champion")
+    assert champion.run_id == best["mlflow_run_id"]
+    assert champion.tags["tree"] == best["tree"] and champion.tags["k"] == str(best["k"])
+
+
+def test_asha_stops_a_bad_training_and_its_trees(ray_local, mlflow_uri, tmp_path):
+    # lr 1e-9 never learns: at the first rung (2 reports, step 16) its simulated acceptance
+    # is below the good trial's, so ASHA stops it before its 24 steps.
+    train = TrainConfig(epochs=4, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=8, eval_every=8, log_every=1)
+    path = write_sweep(tmp_path, mlflow_uri, "asha", train=train, space={"train.lr": [3e-3, 1e-9]},
+                       trees=["chain", "small-6"], promote=False,
+                       asha={"grace_period": 2, "reduction_factor": 2, "metric": "eval/sim_accept_len"})
+    summary = run_sweep(path, progress=False)
+
+    done = {(r["tree"]) for r in summary["rows"]}
+    assert done == {"chain", "small-6"}  # the good training's two trees
+    assert all(r["train_steps"] == 24 for r in summary["rows"])
+    stopped = summary["not_finished"]
+    assert len(stopped) == 2 and all(o["config"]["train.lr"] == 1e-9 for o in stopped)
+    bad = next(d for d in (tmp_path / "ray" / "trainings").iterdir() if (d / "stopped.json").exists())
+    assert json.loads((bad / "stopped.json").read_text())["step"] < 24  # stopped early ...
+    assert not (bad / "done.json").exists()
+    assert sorted(fits(tmp_path).values()) == [1, 1]  # ... and its second tree did not retrain it
+
+
+def test_interrupted_sweep_resumes_without_retraining(ray_local, mlflow_uri, tmp_path):
+    path = write_sweep(tmp_path, mlflow_uri, "resume", promote=False)
+    trainings = tmp_path / "ray" / "trainings"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen([sys.executable, str(ROOT / "sweeps" / "run.py"), "-c", str(path), "--quiet"],
+                              cwd=tmp_path, env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "driver.log", "wb"))  # noqa: SIM115
+    try:  # kill the driver (and its Ray) once the first training is done and the second has begun
+        deadline = time.monotonic() + 300
+        while not (len(list(trainings.glob("*/done.json"))) == 1 and len(fits(tmp_path)) == 2):
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the sweep never reached its second training"
+            time.sleep(0.5)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    first = next(p.parent.name for p in trainings.glob("*/done.json"))
+
+    summary = resume_sweep(tmp_path / "ray" / "sweeps" / "resume", progress=False)
+
+    assert summary["trials_done"] == 4
+    counts = fits(tmp_path)
+    assert counts[first] == 1  # the finished training was reused, not retrained
+    assert len(list(trainings.glob("*/done.json"))) == 2
+    parent = mlflow.MlflowClient(mlflow_uri).get_run(summary["mlflow_parent_run_id"])
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "sweep-resume"
