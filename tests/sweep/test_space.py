@@ -48,6 +48,8 @@ def test_shipped_sweeps_validate(path):
         ({"search": {"algorithm": "bayes"}}, "'grid', 'random' or 'optuna'"),
         ({"overrides": {"train.epochs": 0}}, "train.epochs"),
         ({"colour": "blue"}, "colour: unknown key"),
+        ({"space": {"data.max_new_tokens": [64, 96]}}, "trials share one target, dataset"),
+        ({"asha": {"reduction_factor": 1}}, "asha.reduction_factor"),
     ],
 )
 def test_bad_sweeps_name_the_file_and_field(tmp_path, doc, msg):

@@ -1,0 +1,78 @@
+"""The pieces of a sweep trial without Tune: training plans and keys, tree resolution, the
+multi-tree bench, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftlab.bench import bench_loaded
+from draftlab.cli import main
+from draftlab.config import BenchConfig
+from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.tree_search import best_tree
+from draftlab.sweep.trial import SweepContext, plan, resolve_tree
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = yaml.safe_load((ROOT / "jobs/configs/smollm2-135m-parallel-k4.yaml").read_text())
+
+
+def _ctx(tmp_path) -> SweepContext:
+    return SweepContext(sweep="s", base=BASE, trees=["chain"], trainings=str(tmp_path / "trainings"),
+                        data_path="unused", tracking_uri="sqlite:///unused.db", experiment="e", parent_run_id=None)
+
+
+def test_trials_differing_only_in_tree_share_one_training(tmp_path):
+    ctx = _ctx(tmp_path)
+    a = plan({"drafter.k": 3, "tree": "chain"}, ctx)
+    b = plan({"drafter.k": 3, "tree": "searched-8"}, ctx)
+    c = plan({"drafter.k": 3, "train.lr": 3e-4, "tree": "chain"}, ctx)
+    assert a.key == b.key and a.dir == b.dir
+    assert c.key != a.key and c.dir != a.dir
+    assert a.dir.parent == tmp_path / "trainings" and a.dir.name.startswith("parallel-k3-d1-")
+    assert a.cfg.output_dir == str(a.dir / "drafter") and a.cfg.storage_path == ctx.trainings
+    assert not a.cfg.bench.enabled and not a.cfg.tracking.register_model  # the trial benches and promotes
+
+
+def test_resolve_tree_chain_presets_and_searched(tmp_path):
+    assert resolve_tree("chain", tmp_path, 3).paths == Tree.chain(3).paths
+    assert resolve_tree("small-6", tmp_path, 2).depth == 2  # a preset is cut to the drafter's K
+    assert resolve_tree("small-6", tmp_path, 5).paths == load_tree("small-6").paths
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.1, 0.05], [0.4, 0.1, 0.0]]
+    (tmp_path / "tree-search.json").write_text(json.dumps({"acceptance": acc}))
+    searched = resolve_tree("searched-4", tmp_path, 3)
+    assert searched.paths == best_tree(acc, 4).paths and searched.name == "searched-4"
+    with pytest.raises(FileNotFoundError, match="tree-search.json"):
+        resolve_tree("searched-4", tmp_path / "nowhere", 3)
+
+
+def test_bench_measures_named_trees_side_by_side(tiny, tmp_path):
+    from draftlab.models.drafters import init_drafter
+
+    drafter = init_drafter("parallel", tiny, k=3, depth=1)
+    cfg = BenchConfig(target={"name": "tiny-llama"}, drafter="init:parallel", limit=2, max_new_tokens=8, methods=["ar"])
+    trees = {"chain": Tree.chain(3), "small-6": load_tree("small-6").truncated(3)}
+    report = bench_loaded(tiny, drafter, cfg, progress=False, trees=trees)
+    assert set(report["methods"]) == {"ar", "draftlab_tree:chain", "draftlab_tree:small-6"}
+    assert report["greedy_identical"]
+    for name in trees:
+        m = report["methods"][f"draftlab_tree:{name}"]
+        assert m["forwards"] > 0 and m["speedup_vs_ar"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "msg"),
+    [
+        (["sweep"], "exactly one of -c"),
+        (["sweep", "-c", "x.yaml", "--resume", "d"], "exactly one of -c"),
+        (["sweep", "--resume", "{tmp}", "k=1"], "overrides are not allowed"),
+        (["sweep", "--resume", "{tmp}"], "no sweep.json"),
+        (["sweep", "-c", "{tmp}/missing.yaml"], "missing.yaml"),
+    ],
+)
+def test_sweep_cli_errors_are_clear(args, msg, tmp_path, capsys):
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in args]) == 2
+    assert msg in capsys.readouterr().err
