@@ -290,12 +290,7 @@ class Tracker:
         tags = {k: str(v) for k, v in (tags or {}).items()}
         exp_id = self._ensure_experiment()
         if self.run_id is None:
-            escaped = run_name.replace("'", "\\'")
-            found = self.client.search_runs(
-                [exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{escaped}'",
-                order_by=["attributes.start_time DESC"], max_results=1)
-            if found and found[0].info.status != "FINISHED":
-                self.run_id = found[0].info.run_id
+            self.run_id = self.find_unfinished(run_name)
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
             if tags:
@@ -305,6 +300,14 @@ class Tracker:
                                          tags={**tags, RUN_NAME_TAG: run_name})
             self.run_id = run.info.run_id
         return self.run_id
+
+    def find_unfinished(self, run_name: str) -> str | None:
+        """The newest run tagged `draftlab.run_name == run_name` unless it FINISHED."""
+        escaped = run_name.replace("'", "\\'")
+        found = self.client.search_runs(
+            [self._ensure_experiment()], filter_string=f"tags.`{RUN_NAME_TAG}` = '{escaped}'",
+            order_by=["attributes.start_time DESC"], max_results=1)
+        return found[0].info.run_id if found and found[0].info.status != "FINISHED" else None
 
     def end(self, status: str = "FINISHED") -> None:
         """Terminate the run. FINISHED flushes pending metrics; FAILED/KILLED drop them."""

@@ -80,3 +80,23 @@ def test_max_concurrency_from_resources():
     assert max_concurrency({"CPU": 2.0}, cpus_per_trial=2) == 1
     assert max_concurrency({"CPU": 16.0, "GPU": 2.0}, cpus_per_trial=2, gpus_per_trial=1) == 2
     assert max_concurrency({"CPU": 1.0}, cpus_per_trial=4) == 1  # never zero
+
+
+def test_search_setup_grid_random_optuna(tmp_path):
+    from ray.tune.search.optuna import OptunaSearch
+
+    from draftlab.sweep.runner import search_setup
+
+    grid, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4]}))
+    assert search_setup(grid, concurrency=4) == (None, 1)
+    rnd, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4]}, search={"algorithm": "random"}))
+    assert search_setup(rnd, concurrency=8) == (None, 16)  # num_samples unset: two waves of the cluster
+    opt, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4], "train.lr": {"loguniform": [1e-4, 1e-2]}},
+                               trees=["chain", "searched-8"], search={"algorithm": "optuna", "num_samples": 3}))
+    alg, n = search_setup(opt, concurrency=1)
+    assert isinstance(alg, OptunaSearch) and n == 3
+    assert alg.set_search_properties(None, None, param_space(opt))  # Tune's space converts to Optuna's
+    suggested = alg.suggest("trial-1")
+    assert suggested["drafter.k"] in (2, 4) and 1e-4 <= suggested["train.lr"] <= 1e-2
+    assert suggested["tree"] in ("chain", "searched-8")
+

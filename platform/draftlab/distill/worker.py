@@ -187,6 +187,11 @@ def train_fn_per_worker(config: dict) -> dict:
     # rank 0's last held-out evaluation (its metrics go with each report: Tune's ASHA reads them)
     latest = {"step": -1, "stats": Stats(k), "metrics": {}}
 
+    def evaluate_now(step: int) -> None:
+        stats = evaluate(module, target, evalset, cfg, k)
+        latest.update(step=step, stats=stats, metrics=stats.metrics("eval"))
+        tracker.buffer_metrics(latest["metrics"], step)
+
     def report(final: bool = False) -> None:
         """Flush metrics, then commit a checkpoint (all ranks report; rank 0 attaches files).
 
@@ -236,9 +241,7 @@ def train_fn_per_worker(config: dict) -> dict:
                 )
                 window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
             if rank == 0 and step % cfg.train.eval_every == 0 and len(evalset):
-                latest_stats = evaluate(module, target, evalset, cfg, k)
-                latest.update(step=step, stats=latest_stats, metrics=latest_stats.metrics("eval"))
-                tracker.buffer_metrics(latest["metrics"], step)
+                evaluate_now(step)
             # The slowest rank's clock: every rank takes the same lr and stop decisions.
             elapsed = _all_ranks_max(elapsed0 + time.perf_counter() - t_start, device)
             stop = elapsed >= budget_s
@@ -251,9 +254,7 @@ def train_fn_per_worker(config: dict) -> dict:
             state["batch"] = 0
     # -- end: final checkpoint, evaluation, drafter export and benchmark (rank 0) ------------
     if rank == 0 and len(evalset) and latest["step"] != state["step"]:  # not evaluated at this step yet
-        final_stats = evaluate(module, target, evalset, cfg, k)
-        latest.update(step=state["step"], stats=final_stats, metrics=final_stats.metrics("eval"))
-        tracker.buffer_metrics(latest["metrics"], state["step"])
+        evaluate_now(state["step"])
     final_eval = latest["stats"]
     report(final=True)
     digests = _gather(weights_digest(drafter))

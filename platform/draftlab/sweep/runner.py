@@ -21,7 +21,7 @@ from ray import tune
 
 from draftlab.config import ConfigError
 from draftlab.sweep.space import SweepConfig, load_sweep, max_concurrency, param_space, trial_config
-from draftlab.sweep.trial import SweepContext, plan, run_trial
+from draftlab.sweep.trial import SweepContext, plan, run_trial, trial_run_name
 
 STATE_FILE = "sweep.json"
 TRIAL_MEMORY = 512 * 1024**2  # the coordinating trial process (imports torch, ray, mlflow)
@@ -64,11 +64,21 @@ class SweepCallback(tune.Callback):
         self._show(force="status" in result or result.get("done", False))
 
     def _mark_stopped(self, trial, result: dict) -> None:
+        """Its process is killed next: record why, for the trials sharing its training and
+        on its MLflow run (which would otherwise stay RUNNING)."""
+        from draftlab.tracking import Tracker
+
         p = plan(trial.config, self.ctx)
         (p.dir / "stopped.json").write_text(json.dumps({
             "trial": trial.trial_id, "step": result.get("step"),
             "eval/sim_accept_len": result.get("eval/sim_accept_len"), "time": time.time(),
         }) + "\n")
+        c = self.ctx
+        run_id = Tracker(c.tracking_uri, c.experiment).find_unfinished(trial_run_name(c, trial.trial_id))
+        if run_id:
+            run = Tracker(c.tracking_uri, c.experiment, run_id=run_id)
+            run.set_tags({"draftlab.status": "stopped (ASHA)", "draftlab.stopped_at_step": result.get("step")})
+            run.end("KILLED")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         row = self._row(trial)
@@ -102,6 +112,19 @@ def _paths(base: dict, name: str) -> tuple[Path, Path]:
     return root / "sweeps" / name, root / "trainings"
 
 
+def search_setup(sweep: SweepConfig, concurrency: int):
+    """(search algorithm or None for Tune's grid/random variant generator, num_samples)."""
+    if sweep.search.algorithm == "grid":
+        return None, sweep.search.num_samples or 1
+    num_samples = sweep.search.num_samples or max(8, 2 * concurrency)  # unset: two waves of the cluster, at least 8
+    if sweep.search.algorithm == "random":
+        return None, num_samples
+    from optuna.samplers import TPESampler
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch(metric="speedup_vs_ar", mode="max", sampler=TPESampler(seed=sweep.search.seed)), num_samples
+
+
 def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bool):
     import ray
 
@@ -117,16 +140,9 @@ def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bo
         a = sweep.asha
         scheduler = ASHAScheduler(time_attr="training_iteration", metric=a.metric, mode="max", max_t=a.max_t,
                                   grace_period=a.grace_period, reduction_factor=a.reduction_factor)
-    search_alg, num_samples = None, sweep.search.num_samples
-    if sweep.search.algorithm != "grid":
-        num_samples = num_samples or max(8, 2 * concurrency)  # unset: two waves of the cluster, at least 8
-    if sweep.search.algorithm == "optuna":
-        from optuna.samplers import TPESampler
-        from ray.tune.search.optuna import OptunaSearch
-
-        search_alg = OptunaSearch(metric="speedup_vs_ar", mode="max", sampler=TPESampler(seed=sweep.search.seed))
+    search_alg, num_samples = search_setup(sweep, concurrency)
     tune_config = tune.TuneConfig(
-        num_samples=num_samples or 1, max_concurrent_trials=concurrency, scheduler=scheduler, search_alg=search_alg,
+        num_samples=num_samples, max_concurrent_trials=concurrency, scheduler=scheduler, search_alg=search_alg,
     )
     # The trial process only coordinates: its training workers and bench task reserve the
     # CPUs/GPUs (a CPU held here would starve a training that needs the whole node), so it

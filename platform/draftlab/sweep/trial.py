@@ -77,6 +77,11 @@ def plan(params: dict, ctx: SweepContext) -> Plan:
     return Plan(cfg, key, run_dir)
 
 
+def trial_run_name(ctx: SweepContext, trial_id: str) -> str:
+    """The MLflow run of a trial (nested under the sweep's parent run)."""
+    return f"{ctx.sweep}-{trial_id}"
+
+
 def resolve_tree(spec: str, drafter_dir: str | Path, k: int) -> Tree:
     """A sweep tree name for a drafter drafting `k` deep: `chain` (= chain-k), `chain-<n>`,
     a preset (cut to depth k) or `searched-<n>` (from the drafter's tree-search.json)."""
@@ -215,7 +220,7 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
             "draftlab.family": d.family, "draftlab.training_key": p.key, "draftlab.trial_id": trial_id, "draftlab.tree": tree}
     if ctx.parent_run_id:
         tags["mlflow.parentRunId"] = ctx.parent_run_id
-    run_id = tracker.start_or_resume(f"{ctx.sweep}-{trial_id}", tags=tags)
+    run_id = tracker.start_or_resume(trial_run_name(ctx, trial_id), tags=tags)
     tracker.log_params(p.cfg.model_dump(mode="json") | {"tree": tree, "training_key": p.key})
     p.dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(p.dir / ".lock")):
