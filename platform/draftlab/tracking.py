@@ -279,8 +279,9 @@ class Tracker:
 
     # -- run lifecycle
 
-    def start_or_resume(self, run_name: str, tags: Mapping[str, Any] | None = None) -> str:
-        """Resume the unfinished run tagged `draftlab.run_name == run_name`, else create one.
+    def start_or_resume(self, run_name: str, tags: Mapping[str, Any] | None = None, resume: bool = True) -> str:
+        """Resume the unfinished run tagged `draftlab.run_name == run_name`, else create one
+        (`resume=False`: always create one).
 
         A restarted training job thus keeps logging into the same MLflow run. If the tracker
         was built with an explicit `run_id`, that run is resumed as is.
@@ -289,7 +290,7 @@ class Tracker:
             return self.run_id or ""
         tags = {k: str(v) for k, v in (tags or {}).items()}
         exp_id = self._ensure_experiment()
-        if self.run_id is None:
+        if self.run_id is None and resume:
             self.run_id = self.find_unfinished(run_name)
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")

@@ -113,6 +113,9 @@ def test_asha_stops_a_bad_training_and_its_trees(ray_local, mlflow_uri, tmp_path
     assert json.loads((bad / "stopped.json").read_text())["step"] < 24  # stopped early ...
     assert not (bad / "done.json").exists()
     assert sorted(fits(tmp_path).values()) == [1, 1]  # ... and its second tree did not retrain it
+    stopped_run = json.loads((bad / "fits.jsonl").read_text().splitlines()[0])["mlflow_run_id"]
+    run = mlflow.MlflowClient(mlflow_uri).get_run(stopped_run)
+    assert run.info.status == "KILLED" and run.data.tags["draftlab.status"] == "stopped (ASHA)"
 
 
 def test_interrupted_sweep_resumes_without_retraining(ray_local, mlflow_uri, tmp_path):

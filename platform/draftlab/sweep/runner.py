@@ -188,8 +188,9 @@ def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: 
 
     cfg = trial_config(base, {})
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
-    parent = Tracker(tracking_uri=uri, experiment=sweep.experiment, run_id=None, enabled=True)
-    parent_id = parent.start_or_resume(f"sweep-{sweep.name}", tags={
+    # a new sweep gets a new parent run; --resume continues the one its sweep.json names
+    parent = Tracker(tracking_uri=uri, experiment=sweep.experiment, run_id=state.get("parent_run_id") if restore else None)
+    parent_id = parent.start_or_resume(f"sweep-{sweep.name}", resume=restore, tags={
         "draftlab.kind": "sweep", "draftlab.sweep": sweep.name, "draftlab.target": cfg.target.name,
     })
     if not restore:
