@@ -8,6 +8,9 @@
     draftlab sweep --resume .draftlab/ray/sweeps/smollm2-135m-cpu
     draftlab promote RUN_ID
     draftlab runs
+    draftlab serve -c serving/smollm2-135m.yaml | --model-uri URI | --target T --drafter DIR
+    draftlab serve --status | --shutdown
+    draftlab loadtest --url http://127.0.0.1:8000/v1 --concurrency 1,4,16 --speculation on,off
 
 Bad input exits with status 2 and one clear message, never a traceback.
 """
@@ -24,8 +27,11 @@ from draftlab.config import (
     BenchConfig,
     ConfigError,
     DistillConfig,
+    LoadtestConfig,
     ProfileConfig,
+    ServeArgs,
     TargetSpec,
+    apply_dotted,
     format_validation_error,
     load_yaml,
     parse_overrides,
@@ -93,6 +99,35 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--alias", default="champion")
     m.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
 
+    v = sub.add_parser("serve", help="serve a drafter/target pair behind an OpenAI-compatible Ray Serve endpoint")
+    v.add_argument("-c", "--config", default=None, help="Serve config file (see serving/)")
+    v.add_argument("--model-uri", default=None, help="MLflow model URI (default: models:/draftlab-<target>-drafter@champion)")
+    v.add_argument("--target", default=None, help="target preset, hub id, local dir or .gguf (with --drafter, or to name the champion)")
+    v.add_argument("--drafter", default=None, help="drafter directory or init:<family> instead of a model URI")
+    v.add_argument("--tree", default=None, help="verification tree (default: the drafter's tree.json, else its chain)")
+    v.add_argument("--speculation", choices=["on", "off", "auto"], default=None, help="drafting policy (default auto)")
+    v.add_argument("--tracking-uri", default=None, help="MLflow of --model-uri (default: $MLFLOW_TRACKING_URI or the local store)")
+    v.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1, or the config's http_options)")
+    v.add_argument("--port", type=int, default=None, help="HTTP port (default 8000, or the config's http_options)")
+    v.add_argument("--name", default=None, help="application name (default 'draftlab')")
+    v.add_argument("--detach", action="store_true", help="return once deployed (needs a running cluster: `ray start --head`)")
+    v.add_argument("--status", action="store_true", help="show the applications, deployments and replicas, then exit")
+    v.add_argument("--shutdown", action="store_true", help="delete the application (--name) or stop Serve, then exit")
+    v.add_argument("overrides", nargs="*", help="dotted overrides of the app args, e.g. autoscaling.max_replicas=2")
+
+    lt = sub.add_parser("loadtest", help="closed-loop load on an OpenAI-compatible endpoint (JSON report)")
+    lt.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    lt.add_argument("--model", default=None, help="default: the first model /v1/models lists")
+    lt.add_argument("--api-key", default=None)
+    lt.add_argument("--concurrency", default="1,4,16", help="comma list of concurrency levels")
+    lt.add_argument("--requests", type=int, default=None, help="requests per level and mode (default max(8, 2 x C))")
+    lt.add_argument("--speculation", default="server", help="comma list of modes compared side by side: server,on,off")
+    lt.add_argument("--prompts", default=None, help="JSONL prompts (default: the packaged set)")
+    lt.add_argument("--max-tokens", type=int, default=128)
+    lt.add_argument("--temperature", type=float, default=0.0)
+    lt.add_argument("--no-stream", action="store_true", help="non-streaming requests (no time to first token)")
+    lt.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+
     r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
     r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
     r.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
@@ -148,6 +183,43 @@ def _promote(a: argparse.Namespace) -> None:
     print(f"{out['model']} version {out['version']} (run {out['run_id']}) is now @{out['alias']}{was}")
 
 
+def _serve(a: argparse.Namespace) -> None:
+    from draftlab.serve import control
+
+    if a.status or a.shutdown:
+        print(json.dumps(control.status(), indent=2) if a.status else control.shutdown(a.name))
+        return
+    if a.config and (a.model_uri or a.drafter or a.target):
+        raise ConfigError("give either -c SERVE_CONFIG or --model-uri / --target / --drafter, not both")
+    if a.model_uri and a.drafter:
+        raise ConfigError("give --model-uri or --drafter, not both")
+    if a.config:
+        spec = control.load_serve_config(a.config)
+    else:
+        from draftlab.serve.app import build_app
+
+        spec = {"builder": build_app, "args": ServeArgs(), "name": control.DEFAULT_APP, "route_prefix": "/",
+                "host": "127.0.0.1", "port": 8000}
+    flags = {"model_uri": a.model_uri, "drafter": a.drafter, "tracking_uri": a.tracking_uri,
+             "engine.tree": a.tree, "engine.speculation": a.speculation} | ({"target.name": a.target} if a.target else {})
+    data = apply_dotted(spec["args"].model_dump(exclude_unset=True), {k: v for k, v in flags.items() if v is not None}
+                        | parse_overrides(a.overrides))
+    spec["args"] = ServeArgs.model_validate(data)
+    spec |= {k: v for k, v in {"host": a.host, "port": a.port, "name": a.name}.items() if v is not None}
+    control.deploy(spec, blocking=False if a.detach else None)
+
+
+def _loadtest(a: argparse.Namespace) -> None:
+    from draftlab.serve.loadtest import run_loadtest
+
+    cfg = LoadtestConfig(
+        url=a.url, model=a.model, api_key=a.api_key, concurrency=[int(c) for c in a.concurrency.split(",") if c.strip()],
+        requests=a.requests, speculation=[m.strip() for m in a.speculation.split(",") if m.strip()], prompts=a.prompts,
+        max_tokens=a.max_tokens, temperature=a.temperature, stream=not a.no_stream, json_out=a.json_out,
+    )
+    print(json.dumps(run_loadtest(cfg), indent=2))
+
+
 def _runs(a: argparse.Namespace) -> None:
     from draftlab.tracking import format_runs_table, list_runs
 
@@ -175,7 +247,8 @@ def _profile(a: argparse.Namespace) -> None:
     print(json.dumps(run_profile(cfg), indent=2))
 
 
-COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs}
+COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs,
+            "serve": _serve, "loadtest": _loadtest}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         print(f"draftlab {args.command}: " + format_validation_error(e, "command-line options"), file=sys.stderr)
         return 2
-    except (ConfigError, ValueError, KeyError, FileNotFoundError, OSError, NotImplementedError) as e:
+    except (ConfigError, ValueError, KeyError, FileNotFoundError, OSError, NotImplementedError, ConnectionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"draftlab {args.command}: error: {msg}", file=sys.stderr)
         return 2

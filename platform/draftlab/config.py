@@ -415,3 +415,116 @@ class DistillConfig(StrictModel):
     """Ray Train storage (local dir, NFS, or s3://...). Shared storage for multi-node."""
     output_dir: str | None = None
     """Where the final drafter is written; None = `<storage_path>/<name>/drafter`."""
+
+
+class EngineSpec(StrictModel):
+    """How a serving replica decodes (see `draftlab.serve.scheduler`)."""
+
+    tree: str | None = None
+    """Verification tree: a preset, `chain-<k>`, `searched-<n>` or a JSON file of rank
+    paths; None = the drafter's `tree.json` (written by distill/sweep), else `chain-<K>`."""
+    speculation: Literal["on", "off", "auto"] = "auto"
+    """`on`: every round drafts; `off`: target-only decoding; `auto`: draft while at most
+    `auto_max_active` requests are decoding, plain steps above (a request may override it
+    with the `speculation` extension field)."""
+    auto_max_active: int = Field(64, ge=0)
+    """`auto`: the load above which rounds stop drafting. The engine interleaves requests
+    round by round without batching them, so a round costs the same whatever the load and
+    speculation keeps paying (README "Serving" has the figures): the default rarely bites."""
+    max_active: int = Field(16, ge=1)
+    """Requests decoded at once (interleaved round by round); later ones wait their turn."""
+    max_context: int | None = Field(None, ge=16)
+    """Prompt + completion tokens allowed per request; None = the target's
+    `max_position_embeddings`."""
+    default_max_tokens: int = Field(256, ge=1)
+    """Completion length when a chat request gives no `max_tokens` (completions: 16, as
+    OpenAI)."""
+
+
+class AutoscalingSpec(StrictModel):
+    """Ray Serve `autoscaling_config` of the engine deployment."""
+
+    min_replicas: int = Field(1, ge=0)
+    """Replicas kept when idle (0 = scale to zero; the first request then waits for a load)."""
+    max_replicas: int = Field(1, ge=1)
+    """Upper bound; each replica holds its own target + drafter."""
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    """Requests per replica the autoscaler aims for."""
+    upscale_delay_s: float = Field(10.0, ge=0)
+    """Load must stay high this long before adding replicas."""
+    downscale_delay_s: float = Field(60.0, ge=0)
+    """Load must stay low this long before removing replicas."""
+    look_back_period_s: float = Field(30.0, gt=0)
+    """Window over which ongoing requests are averaged (longer than `metrics_interval_s`)."""
+    metrics_interval_s: float = Field(10.0, gt=0)
+    """How often replicas report their load to the autoscaler."""
+
+
+class ServeArgs(StrictModel):
+    """`draftlab.serve.app:build_app` arguments: which drafter/target pair and how to serve it."""
+
+    model_uri: str | None = None
+    """MLflow model URI of a registered drafter (`models:/<name>@<alias>` or
+    `models:/<name>/<version>`); resolved at replica start to the drafter directory, its
+    target and its tree. None (and no `drafter`) = `models:/draftlab-<target>-drafter@champion`."""
+    drafter: str | None = None
+    """Instead of `model_uri`: a drafter directory, or `init:<family>` (untrained; tests)."""
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    """The target; with `model_uri` its name comes from the drafter's config unless set."""
+    served_model_name: str | None = None
+    """The `model` clients send; None = the target's name."""
+    tracking_uri: str | None = None
+    """MLflow server of `model_uri`; None = `MLFLOW_TRACKING_URI`, else the local default."""
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """Decoding on each replica."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Accepted `Authorization: Bearer` keys; empty = no authentication."""
+    api_keys_env: str | None = None
+    """Also accept the comma-separated keys in this environment variable (keeps secrets out
+    of config files)."""
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Replicas of the engine deployment."""
+    max_ongoing_requests: int = Field(32, ge=1)
+    """Requests routed to one replica at once (Serve's default of 5 would idle the engine)."""
+    max_queued_requests: int = Field(256, ge=-1)
+    """Requests waiting for a replica before callers get 503 (-1 = unbounded)."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved per engine replica."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per engine replica (1 on a GPU node)."""
+    health_check_timeout_s: float = Field(60.0, gt=0)
+    """A replica whose model check takes longer is restarted."""
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    """Running requests get this long to finish when a replica stops."""
+
+
+class LoadtestConfig(StrictModel):
+    """`draftlab loadtest`: closed-loop load on an OpenAI-compatible endpoint."""
+
+    url: str = "http://127.0.0.1:8000/v1"
+    """Base URL of the API (ending in /v1)."""
+    model: str | None = None
+    """Model id to request; None = the first one `GET /v1/models` lists."""
+    api_key: str | None = None
+    """Bearer key, if the server wants one."""
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16], min_length=1)
+    """Concurrency levels: that many clients each send a request, wait for it, send the next."""
+    requests: int | None = Field(None, ge=1)
+    """Requests per level (and mode); None = max(8, 2 x concurrency)."""
+    speculation: list[Literal["server", "on", "off"]] = Field(default_factory=lambda: ["server"], min_length=1)
+    """Modes compared level by level in one run: `server` = its policy; `on`/`off` force
+    drafting per request (draftlab's `speculation` extension field)."""
+    prompts: str | None = None
+    """JSONL prompt file; None = the packaged default set (cycled)."""
+    max_tokens: int = Field(128, ge=1)
+    """Completion tokens per request."""
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    """0 = greedy."""
+    stream: bool = True
+    """Stream (time to first token is measured only when streaming)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Per-request timeout."""
+    warmup: int = Field(1, ge=0)
+    """Untimed requests before the first level."""
+    json_out: str | None = None
+    """Write the JSON report here."""

@@ -90,3 +90,20 @@ def test_stop_string(tiny, tiny_prompts):
     out = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids), Tree.chain(4)).generate(ids, params)
     assert out.tokens == ref.tokens and out.text == ref.text == free.text[: free.text.find(stop)]
     assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default")], ids=lambda t: t.name)
+def test_interleaved_sessions_with_plain_steps(tiny, tiny_prompts, tree):
+    """A server's view: every prompt's session advanced round-robin, speculating on some
+    rounds and decoding plainly on others; each output still equals target-only decoding."""
+    dec = SpeculativeDecoder(tiny, init_drafter("parallel", tiny, k=4, depth=1, seed=3), tree)
+    sessions = [dec.start(ids, GREEDY) for ids in tiny_prompts]
+    turn = 0
+    while not all(s.done for s in sessions):
+        for i, s in enumerate(sessions):
+            s.step(speculate=(turn + i) % 3 != 0)
+        turn += 1
+    for ids, s in zip(tiny_prompts, sessions, strict=True):
+        ref = autoregressive_generate(tiny, ids, GREEDY)
+        assert s.result().tokens == ref.tokens and s.result().finish_reason == ref.finish_reason
+        assert 0 < s.stats.rounds  # plain steps count as rounds that drafted nothing

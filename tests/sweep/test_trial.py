@@ -14,7 +14,8 @@ from draftlab.cli import main
 from draftlab.config import BenchConfig
 from draftlab.decoding.tree import Tree, load_tree
 from draftlab.decoding.tree_search import best_tree
-from draftlab.sweep.trial import SweepContext, plan, resolve_tree
+from draftlab.distill.tree_select import resolve_tree
+from draftlab.sweep.trial import SweepContext, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((ROOT / "jobs/configs/smollm2-135m-parallel-k4.yaml").read_text())
@@ -39,6 +40,9 @@ def test_trials_differing_only_in_tree_share_one_training(tmp_path):
 
 def test_resolve_tree_chain_presets_and_searched(tmp_path):
     assert resolve_tree("chain", tmp_path, 3).paths == Tree.chain(3).paths
+    assert resolve_tree(None, tmp_path, 3).paths == Tree.chain(3).paths  # no tree.json: the chain
+    (tmp_path / "tree.json").write_text("[[0], [1], [0, 0]]")
+    assert resolve_tree(None, tmp_path, 3).paths == load_tree(str(tmp_path / "tree.json")).paths
     assert resolve_tree("small-6", tmp_path, 2).depth == 2  # a preset is cut to the drafter's K
     assert resolve_tree("small-6", tmp_path, 5).paths == load_tree("small-6").paths
     acc = [[0.6, 0.2, 0.1], [0.5, 0.1, 0.05], [0.4, 0.1, 0.0]]

@@ -151,7 +151,7 @@ def verify_plan(tree: Tree, ctx: int, ancestors: torch.Tensor, counts: torch.Ten
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of one request at a time with a drafter and a static tree.
+    """Speculative decoding with a drafter and a static tree, one request per `Session`.
 
     `tree` = `Tree.chain(k)` for chain verification (drafts are *sampled* from the drafter
     when sampling), any other tree for top-k tree verification (deterministic drafts).
@@ -164,53 +164,96 @@ class SpeculativeDecoder:
         self._depths = tree.depths.to(dev)  # (N+1,)
         self._ancestors, self._counts = (t.to(dev) for t in tree.ancestor_rows)
 
-    @torch.inference_mode()
+    def start(self, prompt: list[int], params: SamplingParams) -> Session:
+        """Prefill `prompt`; `Session.step()` then decodes it a round at a time."""
+        return Session(self, prompt, params)
+
     def generate(self, prompt: list[int], params: SamplingParams) -> GenerationResult:
-        target, drafter, tree = self.target, self.drafter, self.tree
-        dev, k = target.device, tree.depth
-        sample_drafts = tree.is_chain and not params.greedy
-        t_start = time.perf_counter()
-        stats, gen = DecodeStats(), _generator(params, dev)
-        stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
-        cache, hidden, root = _prefill(target, prompt, params, gen, stats)
-        state = drafter.new_state()
-        ctx = len(prompt)  # target cache length (the root is not in it)
+        session = self.start(prompt, params)
+        while not session.done:
+            session.step()
+        return session.result()
+
+
+class Session:
+    """One request's decoding state, advanced a round at a time by `step()`.
+
+    A server interleaves the sessions of concurrent requests round by round; each owns its
+    target and drafter caches, so they share no state. `step(speculate=False)` is a plain
+    target decode step (a round verifying no drafts): the drafter's pending entries grow
+    and are committed by the next speculative round, so a session may switch freely.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, dec: SpeculativeDecoder, prompt: list[int], params: SamplingParams):
+        self.dec, self.params = dec, params
+        target, dev = dec.target, dec.target.device
+        self.t_start = time.perf_counter()
+        self.stats, self.gen = DecodeStats(), _generator(params, dev)
+        self.stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
+        self.cache, hidden, self.root = _prefill(target, prompt, params, self.gen, self.stats)
+        self.state = dec.drafter.new_state()
+        self.ctx = len(prompt)  # target cache length (the root is not in it)
         # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
-        pend_tok = torch.tensor(prompt[1:] + [root], device=dev)
-        pend_hid = hidden
+        self.pend_tok = torch.tensor(prompt[1:] + [self.root], device=dev)
+        self.pend_hid = hidden
+        self.done = self.stopper.feed([self.root])
 
-        def pick(j: int, logits: torch.Tensor) -> int:
-            if not sample_drafts:
-                return int(logits.argmax())
-            return sample(process_logits(logits, params.temperature, params.top_p), gen)
+    @property
+    def tokens(self) -> list[int]:
+        """Output tokens committed so far (cut at the stopping token)."""
+        return self.stopper.tokens
 
-        done = stopper.feed([root])
-        while not done:
-            t0 = time.perf_counter()
-            drafts, dlogits = drafter.propose(state, pend_tok, pend_hid, k, pick)  # (k,), (k, V)
+    @torch.inference_mode()
+    def step(self, speculate: bool = True) -> None:
+        """One target forward: verify a drafted tree (or decode one token) and commit."""
+        if self.done:
+            return
+        dec, params = self.dec, self.params
+        target, tree, dev = dec.target, dec.tree, dec.target.device
+        t0 = time.perf_counter()
+        if speculate:
+            sample_drafts = tree.is_chain and not params.greedy
+
+            def pick(j: int, logits: torch.Tensor) -> int:
+                if not sample_drafts:
+                    return int(logits.argmax())
+                return sample(process_logits(logits, params.temperature, params.top_p), self.gen)
+
+            drafts, dlogits = dec.drafter.propose(self.state, self.pend_tok, self.pend_hid, tree.depth, pick)  # (k,), (k, V)
+            self.pend_tok, self.pend_hid = self.pend_tok[:0], self.pend_hid[:0]  # committed
             if tree.is_chain:
-                nodes = torch.cat([torch.tensor([root], device=dev), drafts])  # (k+1,)
+                nodes = torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
             else:
-                nodes = tree.node_tokens(root, dlogits)  # (N+1,)
+                nodes = tree.node_tokens(self.root, dlogits)  # (N+1,)
             t1 = time.perf_counter()
-            logits, hid = target.forward(nodes, ctx + self._depths, cache, rows=verify_plan(tree, ctx, self._ancestors, self._counts))
+            rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
+            logits, hid = target.forward(nodes, self.ctx + dec._depths, self.cache, rows=rows)
             node_list = nodes.tolist()
             if params.greedy:
                 accepted, bonus = greedy_walk(tree, node_list, logits)
             else:
                 probs = process_logits(logits, params.temperature, params.top_p)  # (N+1, V)
                 q = process_logits(dlogits, params.temperature, params.top_p) if sample_drafts else None
-                accepted, bonus = sampled_walk(tree, node_list, probs, q, gen)
+                accepted, bonus = sampled_walk(tree, node_list, probs, q, self.gen)
             keep = [0] + accepted
-            keep_rows(cache, ctx, keep)
-            t2 = time.perf_counter()
-            ctx += len(keep)
-            new = [node_list[i] for i in accepted] + [bonus]
-            pend_tok = torch.tensor(new, device=dev)
-            pend_hid = hid[keep]  # (m+1, H): the state that produced each new token
-            root = bonus
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.record(drafted=tree.num_nodes, accepted=len(accepted), depth=k)
-            done = stopper.feed(new)
-        return _finish(stopper, stats, t_start)
+            keep_rows(self.cache, self.ctx, keep)
+            drafted = tree.num_nodes
+        else:  # a plain decode step: the root alone, through the same row-exact attention
+            t1 = t0
+            logits, hid = target.forward(torch.tensor([self.root], device=dev), torch.tensor([self.ctx], device=dev), self.cache)
+            node_list, accepted, keep, drafted = [self.root], [], [0], 0
+            bonus = _choose(logits[0], params, self.gen)
+        t2 = time.perf_counter()
+        self.ctx += len(keep)
+        new = [node_list[i] for i in accepted] + [bonus]
+        self.pend_tok = torch.cat([self.pend_tok, torch.tensor(new, device=dev)])
+        self.pend_hid = torch.cat([self.pend_hid, hid[keep]])  # (m+1, H): the state that produced each new token
+        self.root = bonus
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        self.stats.record(drafted=drafted, accepted=len(accepted), depth=tree.depth)
+        self.done = self.stopper.feed(new)
+
+    def result(self) -> GenerationResult:
+        return _finish(self.stopper, self.stats, self.t_start)

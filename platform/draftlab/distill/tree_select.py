@@ -18,7 +18,7 @@ from pathlib import Path
 
 from draftlab.config import DistillConfig
 from draftlab.decoding.tree import Tree, load_tree
-from draftlab.decoding.tree_search import best_tree, expected_accepted
+from draftlab.decoding.tree_search import best_tree, expected_accepted, searched_budget
 from draftlab.distill.ranks import rank_acceptance
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
@@ -145,3 +145,21 @@ def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:
     if report is not None:
         (out_dir / "tree-search.json").write_text(json.dumps(report, indent=2) + "\n")
     return out_dir / "tree.json"
+
+
+def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int) -> Tree:
+    """The tree a drafter drafting `k` deep verifies with: `chain` (= chain-k), `chain-<n>`,
+    a preset (cut to depth k), `searched-<n>` (from the drafter's tree-search.json), a JSON
+    file, or None = the drafter directory's `tree.json` when it has one, else chain-k."""
+    if spec is None:
+        saved = Path(drafter_dir) / "tree.json" if drafter_dir else None
+        spec = str(saved) if saved is not None and saved.is_file() else "chain"
+    if spec == "chain":
+        return Tree.chain(k)
+    budget = searched_budget(spec)
+    if budget:
+        if drafter_dir is None:
+            raise ValueError(f"tree {spec!r} needs a saved drafter directory (its tree-search.json)")
+        found = load_tree(str(searched_tree_file(drafter_dir, budget)), k)
+        return Tree.from_paths([list(p) for p in found.paths], spec)
+    return load_tree(spec).truncated(k)

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.config import DistillConfig
-from draftlab.decoding.tree import Tree, load_tree
-from draftlab.decoding.tree_search import searched_budget
 from draftlab.sweep.space import training_key, trial_config
 
 
@@ -82,20 +80,6 @@ def trial_run_name(ctx: SweepContext, trial_id: str) -> str:
     return f"{ctx.sweep}-{trial_id}"
 
 
-def resolve_tree(spec: str, drafter_dir: str | Path, k: int) -> Tree:
-    """A sweep tree name for a drafter drafting `k` deep: `chain` (= chain-k), `chain-<n>`,
-    a preset (cut to depth k) or `searched-<n>` (from the drafter's tree-search.json)."""
-    if spec == "chain":
-        return Tree.chain(k)
-    budget = searched_budget(spec)
-    if budget:
-        from draftlab.distill.tree_select import searched_tree_file
-
-        found = load_tree(str(searched_tree_file(drafter_dir, budget)), k)
-        return Tree.from_paths([list(p) for p in found.paths], spec)
-    return load_tree(spec).truncated(k)
-
-
 def _remote_options(cfg: DistillConfig) -> dict:
     """The trial's resources for its own work: one training worker's worth."""
     # DEFAULT: outside the trial's placement group (which holds no CPU), like Train's workers
@@ -120,6 +104,7 @@ def _bench_trees(cfg_json: dict, trees: list[str]) -> dict[str, dict]:
     """Every tree of `trees` and `ar`, interleaved prompt by prompt in one bench run."""
     from draftlab.bench import bench_loaded
     from draftlab.config import BenchConfig
+    from draftlab.distill.tree_select import resolve_tree
     from draftlab.models.drafters.network import load_drafter
     from draftlab.models.target import load_target
 

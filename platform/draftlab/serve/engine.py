@@ -1,0 +1,175 @@
+"""The engine deployment: target + drafter on one replica (the drafter reads the target's
+hidden states), a decoding thread (`Scheduler`) and Ray metrics.
+
+    generate(request) -> async stream of events      (the ingress turns them into OpenAI JSON)
+        {"prompt_tokens": int}      first: the request was accepted
+        {"delta": str, "tokens": int} ...
+        {"done": True, "finish_reason": ..., "stats": {...}, "completion_tokens": int}
+        or {"error": str, "status": int, "param": str | None} instead of the first event
+
+Metrics (Ray's Prometheus exporter, `ray_draftlab_*`): requests by status, generated
+tokens, tau per request, end-to-end latency, queue length and active requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ray import serve
+
+from draftlab.config import SamplingParams, ServeArgs
+
+log = logging.getLogger(__name__)
+HEALTH_STALL_S = 60.0  # a replica with work that has not finished a round for this long is stuck
+TAU_BOUNDARIES = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
+LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+
+class _Metrics:
+    def __init__(self):
+        from ray.serve import metrics as m
+
+        self.requests = m.Counter("draftlab_requests", "Finished requests by status.", tag_keys=("status",))
+        self.tokens = m.Counter("draftlab_generated_tokens", "Completion tokens generated.")
+        self.tau = m.Histogram("draftlab_tau", "Tokens per target forward, per request.", boundaries=TAU_BOUNDARIES)
+        self.latency = m.Histogram("draftlab_request_latency_s", "Engine time per request (queue included).",
+                                   boundaries=LATENCY_BOUNDARIES)
+        self.tokens_per_s = m.Gauge("draftlab_tokens_per_s", "Generated tokens per second over the last request.")
+        self.queue = m.Gauge("draftlab_queue_length", "Requests waiting for a decoding slot.")
+        self.active = m.Gauge("draftlab_active_requests", "Requests being decoded.")
+
+
+@serve.deployment(name="DraftEngine")
+class DraftEngine:
+    def __init__(self, args: dict):
+        from draftlab.decoding.engine import SpeculativeDecoder
+        from draftlab.distill.tree_select import resolve_tree
+        from draftlab.models.drafters.network import resolve_drafter
+        from draftlab.models.target import load_target
+        from draftlab.serve.pair import resolve_pair
+        from draftlab.serve.scheduler import Scheduler
+
+        self.args = ServeArgs.model_validate(args)
+        pair = resolve_pair(self.args)
+        self.target = load_target(pair.target)
+        drafter = resolve_drafter(pair.drafter, self.target)
+        saved = None if pair.drafter.startswith("init:") else pair.drafter
+        tree = resolve_tree(self.args.engine.tree, saved, drafter.cfg.k)
+        eng = self.args.engine
+        self.max_context = eng.max_context or int(getattr(self.target.model.config, "max_position_embeddings", 2048))
+        self.info_ = {"model": self.args.served_model_name or pair.target.name, "target": pair.target.name,
+                      "drafter": {"family": drafter.cfg.family, "k": drafter.cfg.k, "depth": drafter.cfg.depth},
+                      "tree": [list(p) for p in tree.paths], "speculation": eng.speculation,
+                      "max_context": self.max_context, "source": pair.source, "device": str(self.target.device)}
+        self.metrics = _Metrics()
+        self.scheduler = Scheduler(SpeculativeDecoder(self.target, drafter, tree), eng.speculation,
+                                   eng.auto_max_active, eng.max_active, on_finish=self._on_finish)
+        log.info("draftlab engine ready: %s", self.info_)
+
+    def info(self) -> dict:
+        return self.info_
+
+    # -- requests --------------------------------------------------------------------
+    def _tokenize(self, req: dict) -> list[int]:
+        tok = self.target.tokenizer
+        if req.get("messages") is not None:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("this model has no chat template: use /v1/completions")
+            ids = tok.apply_chat_template(req["messages"], add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = req["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            vocab = self.target.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+            return list(prompt)
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+
+    def _admit(self, req: dict) -> tuple[list[int], SamplingParams] | dict:
+        """The prompt's ids and sampling params, or an error event (bad prompt, too long)."""
+        try:
+            ids = self._tokenize(req)
+        except (ValueError, TypeError) as e:
+            return {"error": str(e), "status": 400, "param": "messages" if req.get("messages") else "prompt"}
+        if not ids:
+            return {"error": "the prompt is empty", "status": 400, "param": "prompt"}
+        room = self.max_context - len(ids)
+        if room < 1:
+            return {"error": f"this model's maximum context length is {self.max_context} tokens; the prompt has "
+                             f"{len(ids)}", "status": 400, "param": "messages" if req.get("messages") else "prompt",
+                    "code": "context_length_exceeded"}
+        wanted = req.get("max_tokens") or (min(self.args.engine.default_max_tokens, room) if req.get("messages") else 16)
+        if wanted > room:
+            return {"error": f"this model's maximum context length is {self.max_context} tokens; you requested "
+                             f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
+                    "status": 400, "param": "max_tokens", "code": "context_length_exceeded"}
+        return ids, SamplingParams(max_new_tokens=wanted, **req["sampling"])
+
+    async def generate(self, req: dict):
+        admitted = self._admit(req)
+        if isinstance(admitted, dict):
+            self.metrics.requests.inc(tags={"status": "rejected"})
+            yield admitted
+            return
+        ids, params = admitted
+        yield {"prompt_tokens": len(ids)}
+        async for event in self._decode(ids, params, req.get("speculation")):
+            yield event
+
+    async def _decode(self, ids: list[int], params: SamplingParams, speculation: str | None, internal: bool = False):
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def publish(event: dict) -> None:  # called on the decoding thread
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        ticket = self.scheduler.submit(ids, params, publish, speculation, internal)
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if "done" in event or "error" in event:
+                    return
+        finally:  # the client went away (or we are done): free the slot
+            ticket.cancel()
+
+    def _on_finish(self, ticket) -> None:
+        if ticket.internal:
+            return
+        s = ticket.session
+        if s is None or not s.done:
+            self.metrics.requests.inc(tags={"status": "cancelled"})
+            return
+        r = s.result()
+        self.metrics.requests.inc(tags={"status": "ok"})
+        self.metrics.tokens.inc(len(r.tokens))
+        self.metrics.tau.observe(r.stats.tau)
+        self.metrics.latency.observe(time.perf_counter() - ticket.submitted)
+        self.metrics.tokens_per_s.set(r.stats.tokens_per_s)
+
+    # -- health and shutdown ---------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Serve restarts the replica if this raises: a dead decoding thread, a thread stuck
+        on its work, or (when idle) a one-token generation that fails."""
+        s = self.scheduler
+        self.metrics.queue.set(s.queue_length)
+        self.metrics.active.set(s.num_active)
+        if not s.alive:
+            raise RuntimeError("the decoding thread has stopped")
+        if s.num_active:  # busy: real requests are the probe
+            if time.monotonic() - s.last_step > HEALTH_STALL_S:
+                raise RuntimeError(f"no decoding round finished for {HEALTH_STALL_S:.0f} s with {s.num_active} active")
+            return
+        # idle: one speculative round end to end (prefill, draft, verify) on a 1-token prompt
+        async for event in self._decode([0], SamplingParams(max_new_tokens=2), "on", internal=True):
+            if "error" in event:
+                raise RuntimeError(f"health probe failed: {event['error']}")
+
+    def __del__(self):
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.shutdown(timeout=self.args.graceful_shutdown_timeout_s)

@@ -1,0 +1,152 @@
+"""`draftlab loadtest`: a closed-loop load generator for an OpenAI-compatible endpoint.
+
+For each concurrency level C (and each speculation mode, run back to back so modes are
+compared on the same machine state), C clients each send a chat completion, wait for it
+to finish and send the next, until the level's request count is done. Reported per level:
+requests/s, output tokens/s, p50/p95 time to first token and latency, tau (tokens per
+target forward, from the `usage.speculative` the server returns) and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from draftlab.config import LoadtestConfig
+from draftlab.data.prompts import load_prompts
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    latency_s: float
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    spec: dict | None = None
+    error: str | None = None
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, text: str, mode: str) -> Outcome:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature, "stream": cfg.stream}
+    if cfg.stream:
+        body["stream_options"] = {"include_usage": True}
+    if mode != "server":
+        body["speculation"] = mode
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    try:
+        if not cfg.stream:
+            r = await client.post("/chat/completions", json=body)
+            if r.status_code != 200:
+                return Outcome(False, time.perf_counter() - t0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+            usage = r.json()["usage"]
+        else:
+            async with client.stream("POST", "/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return Outcome(False, time.perf_counter() - t0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return Outcome(False, time.perf_counter() - t0, error=chunk["error"]["message"])
+                    if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        ttft = time.perf_counter() - t0
+                    usage = chunk.get("usage") or usage
+    except (httpx.HTTPError, KeyError, json.JSONDecodeError) as e:
+        return Outcome(False, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+    if usage is None:
+        return Outcome(False, time.perf_counter() - t0, error="no usage in the response")
+    return Outcome(True, time.perf_counter() - t0, ttft, usage["completion_tokens"], usage.get("speculative"))
+
+
+async def _level(client, cfg: LoadtestConfig, model: str, texts: list[str], concurrency: int, mode: str) -> dict:
+    n = cfg.requests or max(8, 2 * concurrency)
+    todo = iter(range(n))
+    prompts = itertools.cycle(texts)
+    outcomes: list[Outcome] = []
+
+    async def worker():
+        for _ in todo:
+            outcomes.append(await _one(client, cfg, model, next(prompts), mode))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summarise(outcomes, time.perf_counter() - t0) | {"concurrency": concurrency, "speculation": mode}
+
+
+def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    tokens = sum(o.completion_tokens for o in ok)
+    specs = [o.spec for o in ok if o.spec]
+    forwards = sum(s["target_forwards"] for s in specs)
+    ttfts, lats = [o.ttft_s for o in ok if o.ttft_s is not None], [o.latency_s for o in ok]
+    return {
+        "requests": len(outcomes), "errors": len(outcomes) - len(ok), "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
+        "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
+        "latency_p50_s": _percentile(lats, 50), "latency_p95_s": _percentile(lats, 95),
+        "tau": (forwards + sum(s["accepted"] for s in specs)) / forwards if forwards else None,
+        "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
+        "error_samples": sorted({o.error for o in outcomes if not o.ok})[:3],
+    }
+
+
+async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
+    texts = [p.text for p in load_prompts(cfg.prompts)]
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4)
+    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout_s,
+                                 limits=limits) as client:
+        model = cfg.model
+        if model is None:
+            r = await client.get("/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        for _ in range(cfg.warmup):
+            await _one(client, cfg, model, texts[0], cfg.speculation[0])
+        levels = []
+        for c in cfg.concurrency:
+            for mode in cfg.speculation:
+                res = await _level(client, cfg, model, texts, c, mode)
+                levels.append(res)
+                if progress:
+                    print(format_row(res), flush=True)
+    return {"url": cfg.url, "model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+            "stream": cfg.stream, "levels": levels}
+
+
+def run_loadtest(cfg: LoadtestConfig, progress: bool = True) -> dict:
+    try:
+        report = asyncio.run(_run(cfg, progress))
+    except httpx.ConnectError as e:
+        raise ConnectionError(f"cannot reach {cfg.url} ({e}): is `draftlab serve` running?") from None
+    if cfg.json_out:
+        from pathlib import Path
+
+        Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_row(r: dict) -> str:
+    def s(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    return (f"c={r['concurrency']:<3} spec={r['speculation']:<6} req/s {s(r['requests_per_s'])}  tok/s "
+            f"{s(r['output_tokens_per_s'])}  ttft p50/p95 {s(r['ttft_p50_s'])}/{s(r['ttft_p95_s'])} s  latency "
+            f"p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  errors {r['errors']}")

@@ -1,0 +1,70 @@
+"""Which drafter/target pair a replica serves: an MLflow model URI or explicit paths.
+
+    models:/<name>@<alias>    (default: models:/draftlab-<target>-drafter@champion)
+    models:/<name>/<version>
+    drafter: <dir> | init:<family>
+
+A registered version's `drafter` artifact is downloaded (cached by MLflow under a temp
+dir per replica); its `config.json` names the target it was trained for and its
+`tree.json` the tree it verifies with, unless the serve args override them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftlab.config import ConfigError, ServeArgs, TargetSpec
+from draftlab.tracking import drafter_model_name, resolve_tracking_uri
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: TargetSpec
+    drafter: str  # a local drafter directory or `init:<family>`
+    source: dict  # where it came from (model URI, version, run id): shown by /v1/models
+
+
+def default_model_uri(args: ServeArgs) -> str:
+    return f"models:/{drafter_model_name(args.target.name)}@champion"
+
+
+def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """`models:/name@alias` -> (name, alias, None); `models:/name/3` -> (name, None, "3")."""
+    if not uri.startswith("models:/"):
+        raise ConfigError(f"model_uri {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>")
+    rest = uri.removeprefix("models:/").strip("/")
+    if "@" in rest:
+        name, alias = rest.split("@", 1)
+        return name, alias, None
+    name, _, version = rest.rpartition("/")
+    if not name or not version.isdigit():
+        raise ConfigError(f"model_uri {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>")
+    return name, None, version
+
+
+def resolve_pair(args: ServeArgs) -> Pair:
+    if args.drafter is not None:
+        return Pair(args.target, args.drafter, {"drafter": args.drafter})
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    uri = args.model_uri or default_model_uri(args)
+    name, alias, version = _parse_models_uri(uri)
+    tracking = resolve_tracking_uri(args.tracking_uri)
+    client = MlflowClient(tracking_uri=tracking)
+    try:
+        mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+    except MlflowException as e:
+        raise ConfigError(f"model_uri {uri!r} not found in MLflow at {tracking}: {e.message.splitlines()[0]} "
+                          f"(train and promote one first: `draftlab sweep` or `draftlab promote RUN_ID`)") from None
+    dest = Path(tempfile.mkdtemp(prefix="draftlab-serve-"))
+    local = client.download_artifacts(mv.run_id, "drafter", str(dest))
+    cfg = json.loads((Path(local) / "config.json").read_text())
+    target = args.target
+    if "target" not in args.model_fields_set:  # the drafter knows its target
+        target = args.target.model_copy(update={"name": cfg["target_name"]})
+    return Pair(target, local, {"model_uri": uri, "registered_model": name, "version": str(mv.version),
+                                "run_id": mv.run_id, "tracking_uri": tracking})

@@ -1,0 +1,167 @@
+"""One decoding thread per replica that interleaves concurrent requests round by round.
+
+    submit(prompt, params) -> Ticket       (any thread; the ticket's queue receives events)
+    the loop: admit waiting tickets (prefill) -> one `Session.step()` each -> publish deltas
+
+Every request owns a `Session` (its own target and drafter caches), so interleaving never
+mixes state. A round costs one target forward whether it verifies a tree or decodes one
+token; rounds of different requests are not batched. `speculate_now()` applies the
+speculation policy (`EngineSpec.speculation`) per round, so a request can switch between
+drafting and plain steps without changing its output (see `Session.step`).
+
+Events put on a ticket's queue (via `publish`, on the caller's event loop):
+    {"delta": str, "tokens": int}                        text committed since the last event
+    {"done": True, "finish_reason": str, "stats": dict}  the last one
+    {"error": str}                                       the request failed (the engine lives on)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from draftlab.config import SamplingParams
+from draftlab.decoding.engine import Session, SpeculativeDecoder
+
+log = logging.getLogger(__name__)
+# Partial UTF-8 (a multi-byte character split across tokens) decodes to U+FFFD until the
+# rest arrives: such a tail is held back rather than streamed and then taken back.
+REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class Ticket:
+    """A submitted request: what to decode, where its events go, and its progress."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    speculation: str  # "on" | "off" | "auto"
+    publish: Callable[[dict], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    session: Session | None = None
+    sent_chars: int = 0  # text already published
+    internal: bool = False  # a health probe: not counted in the metrics
+
+    def cancel(self) -> None:
+        """The client went away: the loop drops it at its next turn."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """Owns the decoding thread. `max_active` sessions are stepped in turn; more wait."""
+
+    def __init__(self, decoder: SpeculativeDecoder, speculation: str = "auto", auto_max_active: int = 64,
+                 max_active: int = 16, on_finish: Callable[[Ticket], None] | None = None):
+        self.decoder = decoder
+        self.speculation, self.auto_max_active, self.max_active = speculation, auto_max_active, max_active
+        self.on_finish = on_finish
+        self._waiting: deque[Ticket] = deque()
+        self._active: list[Ticket] = []
+        self._wake = threading.Condition()
+        self._ids = itertools.count()
+        self._stop = False
+        self.last_step = time.monotonic()  # when a round last finished (health: a stuck thread)
+        self._thread = threading.Thread(target=self._loop, name="draftlab-decode", daemon=True)
+        self._thread.start()
+
+    # -- called from request handlers -----------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams, publish: Callable[[dict], None],
+               speculation: str | None = None, internal: bool = False) -> Ticket:
+        t = Ticket(next(self._ids), prompt, params, speculation or self.speculation, publish, internal=internal)
+        with self._wake:
+            if self._stop:
+                raise RuntimeError("the engine is shutting down")
+            self._waiting.append(t)
+            self._wake.notify()
+        return t
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish what runs (up to `timeout`), fail what waits, stop the thread."""
+        deadline = time.monotonic() + timeout
+        while self._active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._wake:
+            self._stop = True
+            for t in [*self._waiting, *self._active]:
+                t.publish({"error": "the server is shutting down"})
+            self._waiting.clear()
+            self._wake.notify()
+        self._thread.join(timeout=5)
+
+    # -- the decoding thread -----------------------------------------------------------
+    def speculate_now(self, t: Ticket) -> bool:
+        if t.speculation == "auto":
+            return len(self._active) <= self.auto_max_active
+        return t.speculation == "on"
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                while self._waiting and len(self._active) < self.max_active:
+                    self._active.append(self._waiting.popleft())
+            for t in list(self._active):
+                self._turn(t)
+
+    def _turn(self, t: Ticket) -> None:
+        """Prefill a newly admitted ticket or step it once; retire it when finished."""
+        try:
+            if t.cancelled:
+                self._retire(t)
+                return
+            if t.session is None:
+                t.session = self.decoder.start(t.prompt, t.params)
+            else:
+                t.session.step(speculate=self.speculate_now(t))
+            self.last_step = time.monotonic()
+            self._publish_delta(t)
+            if t.session.done:
+                result = t.session.result()
+                t.publish({"done": True, "finish_reason": result.finish_reason, "stats": result.stats.as_dict(),
+                           "completion_tokens": len(result.tokens), "queued_s": t.session.t_start - t.submitted})
+                self._retire(t)
+        except Exception as e:  # one request's failure must not stop the others
+            log.exception("request %d failed", t.id)
+            t.publish({"error": f"{type(e).__name__}: {e}"})
+            self._retire(t)
+
+    def _retire(self, t: Ticket) -> None:
+        self._active.remove(t)
+        if self.on_finish:
+            self.on_finish(t)
+
+    @staticmethod
+    def _publish_delta(t: Ticket) -> None:
+        """Publish the text committed since the last event. While running, hold back what
+        could still turn into a stop string (its length - 1 chars) or a partial character."""
+        s = t.session
+        text = s.stopper.text
+        if not s.done:
+            hold = max((len(x) for x in t.params.stop), default=1) - 1
+            text = text[: len(text) - hold] if hold else text
+            text = text.rstrip(REPLACEMENT)
+        if len(text) > t.sent_chars or s.done:
+            t.publish({"delta": text[t.sent_chars :], "tokens": len(s.tokens)})
+            t.sent_chars = max(t.sent_chars, len(text))
