@@ -424,15 +424,15 @@ class EngineSpec(StrictModel):
     """Verification tree: a preset, `chain-<k>`, `searched-<n>` or a JSON file of rank
     paths; None = the drafter's `tree.json` (written by distill/sweep), else `chain-<K>`."""
     speculation: Literal["on", "off", "auto"] = "auto"
-    """`on`: every round drafts; `off`: target-only decoding; `auto`: draft while at most
-    `auto_max_active` requests are decoding, plain steps above (a request may override it
-    with the `speculation` extension field)."""
-    auto_max_active: int = Field(64, ge=0)
-    """`auto`: the load above which rounds stop drafting. The engine interleaves requests
-    round by round without batching them, so a round costs the same whatever the load and
-    speculation keeps paying (README "Serving" has the figures): the default rarely bites."""
+    """`on`: every round drafts; `off`: target-only decoding; `auto`: per round, draft only
+    while the predicted tokens/s beat plain steps at the current load (`serve/policy.py`:
+    the replica's measured forward costs by row count, observed tau and drafting time). A
+    request may override it with the `speculation` extension field."""
     max_active: int = Field(16, ge=1)
-    """Requests decoded at once (interleaved round by round); later ones wait their turn."""
+    """Requests decoded at once (verified together in one forward per round); later ones
+    wait their turn."""
+    policy_context: int = Field(128, ge=1)
+    """`auto`: cached context length at which the start-up profile times forwards."""
     max_context: int | None = Field(None, ge=16)
     """Prompt + completion tokens allowed per request; None = the target's
     `max_position_embeddings`."""

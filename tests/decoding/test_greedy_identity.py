@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from draftlab.config import SamplingParams
-from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate, step_many
 from draftlab.decoding.tree import Tree, load_tree
 from draftlab.models.drafters import init_drafter
 from oracle import OracleDrafter
@@ -107,3 +107,19 @@ def test_interleaved_sessions_with_plain_steps(tiny, tiny_prompts, tree):
         ref = autoregressive_generate(tiny, ids, GREEDY)
         assert s.result().tokens == ref.tokens and s.result().finish_reason == ref.finish_reason
         assert 0 < s.stats.rounds  # plain steps count as rounds that drafted nothing
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default")], ids=lambda t: t.name)
+def test_batched_rounds_equal_target_only(tiny, tiny_prompts, tree):
+    """`step_many`: several sessions verified in one target forward (rows of different
+    lengths and trees side by side, some rounds plain) still give target-only output."""
+    dec = SpeculativeDecoder(tiny, init_drafter("parallel", tiny, k=4, depth=1, seed=4), tree)
+    prompts = tiny_prompts + [tiny_prompts[0] * 3]  # a longer context beside short ones
+    sessions = [dec.start(ids, SamplingParams(max_new_tokens=30 + 7 * i)) for i, ids in enumerate(prompts)]
+    turn = 0
+    while not all(s.done for s in sessions):
+        step_many(sessions, [(turn + i) % 4 != 0 for i in range(len(sessions))])
+        turn += 1
+    for i, (ids, s) in enumerate(zip(prompts, sessions, strict=True)):
+        ref = autoregressive_generate(tiny, ids, SamplingParams(max_new_tokens=30 + 7 * i))
+        assert s.result().tokens == ref.tokens

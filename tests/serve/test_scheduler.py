@@ -12,6 +12,7 @@ from draftlab.config import SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import load_tree
 from draftlab.models.drafters import init_drafter
+from draftlab.serve.policy import EXPLORE_EVERY, SpeculationPolicy
 from draftlab.serve.scheduler import Scheduler
 
 
@@ -35,9 +36,29 @@ def drain(q: queue.Queue, timeout: float = 60.0) -> list[dict]:
             return events
 
 
-@pytest.mark.parametrize("speculation,max_active", [("on", 16), ("off", 16), ("auto", 2)])
+def crossover_policy(rows: int) -> SpeculationPolicy:
+    """Hand-set costs: a forward costs 10 ms up to 8 rows, then 10 ms per 8 rows; with
+    tau 2 drafting a 7-row tree pays for two requests (2 x 10 > t(14) = 17.5) and not for
+    three (2 x 10 < t(21) = 26.25)."""
+    costs = {n: 10.0 * max(1, n / 8) for n in (1, 2, 4, 8, 16, 32, 64, 128)}
+    return SpeculationPolicy(costs, rows, prior_tau=2.0, prior_draft_ms=0.0)
+
+
+def test_policy_drafts_only_while_it_pays():
+    p = crossover_policy(rows=7)  # small-6 tree: root + 6 nodes
+    assert p.target_ms(12) == pytest.approx(15.0) and p.target_ms(256) == pytest.approx(320.0)
+    assert p.speculate(1) and p.speculate(2) and p.break_even() == 3
+    plain = [p.speculate(3) for _ in range(EXPLORE_EVERY * 2)]
+    assert plain.count(True) == 2  # an exploratory drafting round every EXPLORE_EVERY rounds
+    for _ in range(200):  # drafts are accepted all the time: tau rises towards 7
+        p.observe(7.0, 0.0)
+    assert p.tau > 6.9 and p.speculate(4)
+
+
+@pytest.mark.parametrize("speculation,max_active", [("on", 16), ("off", 16), ("auto", 2), ("auto", 16)])
 def test_concurrent_requests_equal_target_only(tiny, tiny_prompts, decoder, speculation, max_active):
-    sched = Scheduler(decoder, speculation, auto_max_active=1, max_active=max_active)
+    policy = crossover_policy(decoder.tree.num_nodes + 1)
+    sched = Scheduler(decoder, speculation, max_active=max_active, policy=policy)
     params = SamplingParams(max_new_tokens=30)
     jobs = [collect(sched, ids, params) for ids in tiny_prompts * 3]  # 12 at once
     for (q, _), ids in zip(jobs, tiny_prompts * 3, strict=True):
@@ -46,10 +67,13 @@ def test_concurrent_requests_equal_target_only(tiny, tiny_prompts, decoder, spec
         done = events[-1]
         assert "".join(e.get("delta", "") for e in events) == ref.text
         assert done["completion_tokens"] == len(ref.tokens) and done["finish_reason"] == ref.finish_reason
+        drafted_rounds = done["stats"]["drafted"] / decoder.tree.num_nodes
         if speculation == "off":
-            assert done["stats"]["drafted"] == 0
-        elif speculation == "on":
-            assert done["stats"]["drafted"] > 0
+            assert drafted_rounds == 0
+        elif speculation == "on" or max_active == 2:
+            assert drafted_rounds > 0
+        else:  # 12 requests at once: the policy's plain steps, bar exploration rounds
+            assert drafted_rounds <= 1 + done["stats"]["rounds"] / EXPLORE_EVERY
     sched.shutdown()
 
 

@@ -15,6 +15,7 @@ target's distribution (see `acceptance.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,6 +151,61 @@ def verify_plan(tree: Tree, ctx: int, ancestors: torch.Tensor, counts: torch.Ten
     return RowPlan.tree(ctx, ancestors, counts)
 
 
+@dataclass
+class Block:
+    """What one round hands the target: tokens, positions and the keys each row sees
+    (`verify_plan`), plus what acceptance needs afterwards."""
+
+    ids: torch.Tensor  # (T,) root, then the drafted nodes
+    positions: torch.Tensor  # (T,)
+    rows: list | RowPlan  # keys per row, relative to this session's cache
+    tree: Tree | None  # None = a plain decode step (no drafts)
+    draft_logits: torch.Tensor | None  # (k, V)
+    sampled_drafts: bool | None  # chain drafts sampled from q (lossless sampling needs q)
+    draft_s: float
+
+
+def step_many(sessions: list[Session], speculate: list[bool],
+              on_error: Callable[[Session, Exception], None] | None = None) -> None:
+    """One round of several sessions with a single target forward: each drafts (or not),
+    their blocks are verified together (`Target.forward_many`: every row still sees only
+    its own session's keys, so outputs are those of `Session.step`), then each commits.
+
+    `on_error(session, exc)` isolates failures (default: raise): a session whose drafting
+    or acceptance fails is reported alone; a failed shared forward reports every session
+    in it, since their caches may be half-updated."""
+
+    def fail(s: Session, e: Exception) -> None:
+        if on_error is None:
+            raise e
+        on_error(s, e)
+
+    live, blocks = [], []
+    for s, sp in zip(sessions, speculate, strict=True):
+        if s.done:
+            continue
+        try:
+            blocks.append(s.draft(sp))
+            live.append(s)
+        except Exception as e:
+            fail(s, e)
+    if not live:
+        return
+    t0 = time.perf_counter()
+    try:
+        outs = live[0].dec.target.forward_many([(b.ids, b.positions, s.cache, b.rows) for s, b in zip(live, blocks, strict=True)])
+    except Exception as e:
+        for s in live:
+            fail(s, e)
+        return
+    verify_s = (time.perf_counter() - t0) / len(live)  # the shared forward, split evenly
+    for s, b, (logits, hid) in zip(live, blocks, outs, strict=True):
+        try:
+            s.commit(b, logits, hid, verify_s)
+        except Exception as e:
+            fail(s, e)
+
+
 class SpeculativeDecoder:
     """Speculative decoding with a drafter and a static tree, one request per `Session`.
 
@@ -209,50 +265,59 @@ class Session:
         """One target forward: verify a drafted tree (or decode one token) and commit."""
         if self.done:
             return
+        block = self.draft(speculate)
+        t1 = time.perf_counter()
+        logits, hid = self.dec.target.forward(block.ids, block.positions, self.cache, rows=block.rows)
+        self.commit(block, logits, hid, time.perf_counter() - t1)
+
+    @torch.inference_mode()
+    def draft(self, speculate: bool = True) -> Block:
+        """Draft this round (or not) and return the block the target must verify."""
         dec, params = self.dec, self.params
-        target, tree, dev = dec.target, dec.tree, dec.target.device
+        tree, dev = dec.tree, dec.target.device
         t0 = time.perf_counter()
-        if speculate:
-            sample_drafts = tree.is_chain and not params.greedy
+        if not speculate:  # a plain decode step: the root alone, through the same row-exact attention
+            return Block(torch.tensor([self.root], device=dev), torch.tensor([self.ctx], device=dev),
+                         [self.ctx + 1], None, None, None, 0.0)
+        sample_drafts = tree.is_chain and not params.greedy
 
-            def pick(j: int, logits: torch.Tensor) -> int:
-                if not sample_drafts:
-                    return int(logits.argmax())
-                return sample(process_logits(logits, params.temperature, params.top_p), self.gen)
+        def pick(j: int, logits: torch.Tensor) -> int:
+            if not sample_drafts:
+                return int(logits.argmax())
+            return sample(process_logits(logits, params.temperature, params.top_p), self.gen)
 
-            drafts, dlogits = dec.drafter.propose(self.state, self.pend_tok, self.pend_hid, tree.depth, pick)  # (k,), (k, V)
-            self.pend_tok, self.pend_hid = self.pend_tok[:0], self.pend_hid[:0]  # committed
-            if tree.is_chain:
-                nodes = torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
-            else:
-                nodes = tree.node_tokens(self.root, dlogits)  # (N+1,)
-            t1 = time.perf_counter()
-            rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
-            logits, hid = target.forward(nodes, self.ctx + dec._depths, self.cache, rows=rows)
-            node_list = nodes.tolist()
-            if params.greedy:
-                accepted, bonus = greedy_walk(tree, node_list, logits)
-            else:
-                probs = process_logits(logits, params.temperature, params.top_p)  # (N+1, V)
-                q = process_logits(dlogits, params.temperature, params.top_p) if sample_drafts else None
-                accepted, bonus = sampled_walk(tree, node_list, probs, q, self.gen)
-            keep = [0] + accepted
-            keep_rows(self.cache, self.ctx, keep)
-            drafted = tree.num_nodes
-        else:  # a plain decode step: the root alone, through the same row-exact attention
-            t1 = t0
-            logits, hid = target.forward(torch.tensor([self.root], device=dev), torch.tensor([self.ctx], device=dev), self.cache)
-            node_list, accepted, keep, drafted = [self.root], [], [0], 0
-            bonus = _choose(logits[0], params, self.gen)
-        t2 = time.perf_counter()
+        drafts, dlogits = dec.drafter.propose(self.state, self.pend_tok, self.pend_hid, tree.depth, pick)  # (k,), (k, V)
+        self.pend_tok, self.pend_hid = self.pend_tok[:0], self.pend_hid[:0]  # committed
+        if tree.is_chain:
+            nodes = torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
+        else:
+            nodes = tree.node_tokens(self.root, dlogits)  # (N+1,)
+        rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
+        return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def commit(self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float) -> None:
+        """Accept from the target's `logits` (T, V) / `hid` (T, H) for `block` and commit."""
+        params, dev = self.params, self.dec.target.device
+        node_list = block.ids.tolist()
+        if block.tree is None:
+            accepted, bonus = [], _choose(logits[0], params, self.gen)
+        elif params.greedy:
+            accepted, bonus = greedy_walk(block.tree, node_list, logits)
+        else:
+            probs = process_logits(logits, params.temperature, params.top_p)  # (N+1, V)
+            q = process_logits(block.draft_logits, params.temperature, params.top_p) if block.sampled_drafts else None
+            accepted, bonus = sampled_walk(block.tree, node_list, probs, q, self.gen)
+        keep = [0] + accepted
+        keep_rows(self.cache, self.ctx, keep)
         self.ctx += len(keep)
         new = [node_list[i] for i in accepted] + [bonus]
         self.pend_tok = torch.cat([self.pend_tok, torch.tensor(new, device=dev)])
         self.pend_hid = torch.cat([self.pend_hid, hid[keep]])  # (m+1, H): the state that produced each new token
         self.root = bonus
-        self.stats.draft_s += t1 - t0
-        self.stats.verify_s += t2 - t1
-        self.stats.record(drafted=drafted, accepted=len(accepted), depth=tree.depth)
+        self.stats.draft_s += block.draft_s
+        self.stats.verify_s += verify_s
+        self.stats.record(drafted=block.ids.numel() - 1, accepted=len(accepted), depth=self.dec.tree.depth)
         self.done = self.stopper.feed(new)
 
     def result(self) -> GenerationResult:

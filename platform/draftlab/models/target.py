@@ -77,6 +77,33 @@ class Target:
         hidden = out.last_hidden_state[0]  # (T, H), after the final norm
         return self.lm_head(hidden).float(), hidden
 
+    @torch.inference_mode()
+    def forward_many(self, items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several requests' blocks in one forward: items are (ids (T_i,), positions (T_i,),
+        cache, rows) as `forward` takes them (`rows` as ints or a `RowPlan`). Every row keeps
+        exactly the keys it sees alone (offset into the stacked caches), so each request's
+        logits and hidden states equal its own `forward`'s bit for bit."""
+        if len(items) == 1:
+            ids, positions, cache, rows = items[0]
+            return [self.forward(ids, positions, cache, rows)]
+        from draftlab.decoding.cache import StackedCache
+
+        lengths = [ids.numel() for ids, *_ in items]
+        rows_abs, offset = [], 0
+        for ids, _, cache, rows in items:
+            for r in _row_keys(rows, self.device):
+                rows_abs.append(r + offset)
+            offset += cache.get_seq_length() + ids.numel()
+        plan = attention.RowPlan.build(rows_abs, self.device)
+        stacked = StackedCache([c for _, _, c, _ in items], lengths)
+        ids = torch.cat([i for i, *_ in items])
+        positions = torch.cat([p for _, p, *_ in items])
+        out = self.model.get_decoder()(input_ids=ids[None], position_ids=positions[None], past_key_values=stacked,
+                                       use_cache=True, draftlab_rows=plan)
+        hidden = out.last_hidden_state[0]  # (sum T_i, H)
+        logits = self.lm_head(hidden).float()
+        return list(zip(logits.split(lengths), hidden.split(lengths), strict=True))
+
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Token ids for `text`; wrapped in the chat template as a user turn when one exists."""
         tok = self.tokenizer
@@ -88,6 +115,15 @@ class Target:
                 ids = ids["input_ids"]
             return list(ids)
         return tok(text, add_special_tokens=True)["input_ids"]
+
+
+def _row_keys(rows: list | attention.RowPlan, device: torch.device) -> list[torch.Tensor]:
+    """Each row's visible cache indices as a LongTensor (ints n mean keys 0..n-1)."""
+    if isinstance(rows, attention.RowPlan):
+        mask = rows.mask[:, 0, 0]  # (T, Lp)
+        index = rows.index if rows.index is not None else torch.arange(mask.shape[1], device=device).expand_as(mask)
+        return [index[i][mask[i]] for i in range(mask.shape[0])]
+    return [torch.arange(n, device=device) for n in rows]
 
 
 def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 4096) -> str:

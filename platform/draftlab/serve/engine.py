@@ -20,6 +20,7 @@ import time
 from ray import serve
 
 from draftlab.config import SamplingParams, ServeArgs
+from draftlab.serve.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
 HEALTH_STALL_S = 60.0  # a replica with work that has not finished a round for this long is stuck
@@ -39,6 +40,29 @@ class _Metrics:
         self.tokens_per_s = m.Gauge("draftlab_tokens_per_s", "Generated tokens per second over the last request.")
         self.queue = m.Gauge("draftlab_queue_length", "Requests waiting for a decoding slot.")
         self.active = m.Gauge("draftlab_active_requests", "Requests being decoded.")
+
+
+def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> SpeculationPolicy:
+    """The `auto` policy's inputs measured on this replica: target forward cost by row count
+    (up to a full batch of trees), drafting time, and the drafter's expected tau."""
+    import json
+    from pathlib import Path
+
+    from draftlab.decoding.tree_search import expected_accepted
+    from draftlab.profiling import draft_ms, profile_target
+
+    rows = tree.num_nodes + 1
+    sizes = sorted({1, rows} | {n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < eng.max_active * rows}
+                   | {eng.max_active, eng.max_active * rows})
+    costs = profile_target(target, eng.policy_context, sizes, repeats=3)
+    prior_tau = 1.5  # no held-out estimate: a middling drafter's
+    report = Path(drafter_dir) / "tree-search.json" if drafter_dir else None
+    if report is not None and report.is_file():
+        acc = json.loads(report.read_text())["acceptance"]
+        if tree.depth <= len(acc) and tree.max_rank < min(len(a) for a in acc):
+            prior_tau = 1.0 + expected_accepted(tree, acc)
+    return SpeculationPolicy({int(n): ms for n, ms in costs.items()}, rows, prior_tau,
+                             draft_ms(drafter, tree.depth, eng.policy_context, repeats=3))
 
 
 @serve.deployment(name="DraftEngine")
@@ -64,8 +88,10 @@ class DraftEngine:
                       "tree": [list(p) for p in tree.paths], "speculation": eng.speculation,
                       "max_context": self.max_context, "source": pair.source, "device": str(self.target.device)}
         self.metrics = _Metrics()
+        policy = build_policy(self.target, drafter, tree, saved, eng) if eng.speculation == "auto" else None
+        self.info_["policy"] = policy.as_dict() if policy else None
         self.scheduler = Scheduler(SpeculativeDecoder(self.target, drafter, tree), eng.speculation,
-                                   eng.auto_max_active, eng.max_active, on_finish=self._on_finish)
+                                   eng.max_active, policy, on_finish=self._on_finish)
         log.info("draftlab engine ready: %s", self.info_)
 
     def info(self) -> dict:

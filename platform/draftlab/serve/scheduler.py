@@ -1,13 +1,15 @@
-"""One decoding thread per replica that interleaves concurrent requests round by round.
+"""One decoding thread per replica that batches concurrent requests round by round.
 
-    submit(prompt, params) -> Ticket       (any thread; the ticket's queue receives events)
-    the loop: admit waiting tickets (prefill) -> one `Session.step()` each -> publish deltas
+    submit(prompt, params) -> Ticket       (any thread; `publish` receives its events)
+    the loop: admit waiting tickets (prefill each) -> one round of all the others in ONE
+              target forward (`step_many`) -> publish deltas, retire the finished
 
-Every request owns a `Session` (its own target and drafter caches), so interleaving never
-mixes state. A round costs one target forward whether it verifies a tree or decodes one
-token; rounds of different requests are not batched. `speculate_now()` applies the
-speculation policy (`EngineSpec.speculation`) per round, so a request can switch between
-drafting and plain steps without changing its output (see `Session.step`).
+Every request owns a `Session` (its own target and drafter caches); the shared forward
+gives each row exactly the keys of its own request (`Target.forward_many`), so batching
+never mixes state and outputs equal target-only decoding. `_speculate()` applies the
+speculation policy (`EngineSpec.speculation`, `serve/policy.py`) per request and round: under load the rows
+of every request's tree add up, and plain steps (one row each) can beat drafting; a
+request switches freely without changing its output (see `Session.step`).
 
 Events put on a ticket's queue (via `publish`, on the caller's event loop):
     {"delta": str, "tokens": int}                        text committed since the last event
@@ -26,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draftlab.config import SamplingParams
-from draftlab.decoding.engine import Session, SpeculativeDecoder
+from draftlab.decoding.engine import Session, SpeculativeDecoder, step_many
+from draftlab.serve.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
 # Partial UTF-8 (a multi-byte character split across tokens) decodes to U+FFFD until the
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a ticket is one request
 class Ticket:
     """A submitted request: what to decode, where its events go, and its progress."""
 
@@ -57,10 +60,11 @@ class Ticket:
 class Scheduler:
     """Owns the decoding thread. `max_active` sessions are stepped in turn; more wait."""
 
-    def __init__(self, decoder: SpeculativeDecoder, speculation: str = "auto", auto_max_active: int = 64,
-                 max_active: int = 16, on_finish: Callable[[Ticket], None] | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, speculation: str = "auto", max_active: int = 16,
+                 policy: SpeculationPolicy | None = None, on_finish: Callable[[Ticket], None] | None = None):
         self.decoder = decoder
-        self.speculation, self.auto_max_active, self.max_active = speculation, auto_max_active, max_active
+        self.speculation, self.max_active = speculation, max_active
+        self.policy = policy  # `auto` without a policy drafts every round
         self.on_finish = on_finish
         self._waiting: deque[Ticket] = deque()
         self._active: list[Ticket] = []
@@ -108,10 +112,11 @@ class Scheduler:
         self._thread.join(timeout=5)
 
     # -- the decoding thread -----------------------------------------------------------
-    def speculate_now(self, t: Ticket) -> bool:
-        if t.speculation == "auto":
-            return len(self._active) <= self.auto_max_active
-        return t.speculation == "on"
+    def _speculate(self, ready: list[Ticket]) -> list[bool]:
+        """Per ticket: `on`/`off` as asked; `auto` tickets follow the policy at this load."""
+        auto = any(t.speculation == "auto" for t in ready)
+        auto_on = auto and (self.policy is None or self.policy.speculate(len(ready)))
+        return [t.speculation == "on" or (t.speculation == "auto" and auto_on) for t in ready]
 
     def _loop(self) -> None:
         while True:
@@ -122,33 +127,61 @@ class Scheduler:
                     return
                 while self._waiting and len(self._active) < self.max_active:
                     self._active.append(self._waiting.popleft())
-            for t in list(self._active):
-                self._turn(t)
+            self._round()
 
-    def _turn(self, t: Ticket) -> None:
-        """Prefill a newly admitted ticket or step it once; retire it when finished."""
-        try:
+    def _round(self) -> None:
+        """Prefill the newly admitted, then one round of every other active request in a
+        single target forward (`step_many`), then publish and retire."""
+        ready = []
+        for t in list(self._active):
             if t.cancelled:
                 self._retire(t)
-                return
-            if t.session is None:
-                t.session = self.decoder.start(t.prompt, t.params)
+            elif t.session is None:
+                try:
+                    t.session = self.decoder.start(t.prompt, t.params)
+                except Exception as e:  # one request's failure must not stop the others
+                    self._fail(t, e)
+                    continue
+                self._progress(t)
             else:
-                t.session.step(speculate=self.speculate_now(t))
-            self.last_step = time.monotonic()
-            self._publish_delta(t)
-            if t.session.done:
-                result = t.session.result()
-                t.publish({"done": True, "finish_reason": result.finish_reason, "stats": result.stats.as_dict(),
-                           "completion_tokens": len(result.tokens), "queued_s": t.session.t_start - t.submitted})
-                self._retire(t)
-        except Exception as e:  # one request's failure must not stop the others
-            log.exception("request %d failed", t.id)
-            t.publish({"error": f"{type(e).__name__}: {e}"})
+                ready.append(t)
+        if not ready:
+            return
+        by_session = {id(t.session): t for t in ready}
+        failed: set[int] = set()
+
+        def on_error(session, e: Exception) -> None:
+            failed.add(id(session))
+            self._fail(by_session[id(session)], e)
+
+        flags = self._speculate(ready)
+        before = [(t.session.stats.accepted, t.session.stats.draft_s) for t in ready]
+        step_many([t.session for t in ready], flags, on_error)
+        self.last_step = time.monotonic()
+        for t, drafted, (acc, draft_s) in zip(ready, flags, before, strict=True):
+            if id(t.session) in failed:
+                continue
+            if drafted and self.policy is not None:
+                st = t.session.stats
+                self.policy.observe(st.accepted - acc + 1, 1000 * (st.draft_s - draft_s))
+            self._progress(t)
+
+    def _progress(self, t: Ticket) -> None:
+        self._publish_delta(t)
+        if t.session.done:
+            result = t.session.result()
+            t.publish({"done": True, "finish_reason": result.finish_reason, "stats": result.stats.as_dict(),
+                       "completion_tokens": len(result.tokens), "queued_s": t.session.t_start - t.submitted})
             self._retire(t)
 
+    def _fail(self, t: Ticket, e: Exception) -> None:
+        log.error("request %d failed: %s: %s", t.id, type(e).__name__, e)
+        t.publish({"error": f"{type(e).__name__}: {e}"})
+        self._retire(t)
+
     def _retire(self, t: Ticket) -> None:
-        self._active.remove(t)
+        if t in self._active:
+            self._active.remove(t)
         if self.on_finish:
             self.on_finish(t)
 
