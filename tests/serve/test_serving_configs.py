@@ -60,3 +60,13 @@ def test_serve_cli_errors_are_one_line(argv, msg, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+def test_serve_names_a_missing_champion_before_deploying(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'empty.db'}"
+    assert main(["serve", "--target", "tiny-llama", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert "models:/draftlab-tiny-llama-drafter@champion" in err and "not found" in err and "Traceback" not in err
+    assert main(["serve", "--model-uri", "runs:/abc/drafter"]) == 2
+    assert "expected models:/<name>@<alias>" in capsys.readouterr().err

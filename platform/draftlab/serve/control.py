@@ -76,6 +76,10 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     `blocking` None = stay in the foreground only if this process started the cluster."""
     from ray import serve
 
+    from draftlab.serve.pair import model_version
+
+    if spec["args"].drafter is None:  # fail here, clearly, rather than in every replica's constructor
+        model_version(spec["args"])
     owns = connect(start_local=True)
     serve.start(http_options={"host": spec["host"], "port": spec["port"]})
     t0 = time.perf_counter()

@@ -129,7 +129,8 @@ class DraftEngine:
             return {"error": f"this model's maximum context length is {self.max_context} tokens; the prompt has "
                              f"{len(ids)}", "status": 400, "param": "messages" if req.get("messages") else "prompt",
                     "code": "context_length_exceeded"}
-        wanted = req.get("max_tokens") or (min(self.args.engine.default_max_tokens, room) if req.get("messages") else 16)
+        default = self.args.engine.default_max_tokens if req.get("messages") else 16  # OpenAI's completions default
+        wanted = req.get("max_tokens") or min(default, room)
         if wanted > room:
             return {"error": f"this model's maximum context length is {self.max_context} tokens; you requested "
                              f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
@@ -196,6 +197,7 @@ class DraftEngine:
                 raise RuntimeError(f"health probe failed: {event['error']}")
 
     def __del__(self):
+        # Serve has already waited `graceful_shutdown_timeout_s` for running requests to drain
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
-            scheduler.shutdown(timeout=self.args.graceful_shutdown_timeout_s)
+            scheduler.shutdown(timeout=1.0)

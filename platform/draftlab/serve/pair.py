@@ -45,9 +45,9 @@ def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
     return name, None, version
 
 
-def resolve_pair(args: ServeArgs) -> Pair:
-    if args.drafter is not None:
-        return Pair(args.target, args.drafter, {"drafter": args.drafter})
+def model_version(args: ServeArgs):
+    """The registered version `args` names (no download): (uri, tracking uri, version).
+    Raises ConfigError naming the URI and the store when it does not exist."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -60,11 +60,20 @@ def resolve_pair(args: ServeArgs) -> Pair:
     except MlflowException as e:
         raise ConfigError(f"model_uri {uri!r} not found in MLflow at {tracking}: {e.message.splitlines()[0]} "
                           f"(train and promote one first: `draftlab sweep` or `draftlab promote RUN_ID`)") from None
+    return uri, tracking, mv
+
+
+def resolve_pair(args: ServeArgs) -> Pair:
+    if args.drafter is not None:
+        return Pair(args.target, args.drafter, {"drafter": args.drafter})
+    from mlflow import MlflowClient
+
+    uri, tracking, mv = model_version(args)
     dest = Path(tempfile.mkdtemp(prefix="draftlab-serve-"))
-    local = client.download_artifacts(mv.run_id, "drafter", str(dest))
+    local = MlflowClient(tracking_uri=tracking).download_artifacts(mv.run_id, "drafter", str(dest))
     cfg = json.loads((Path(local) / "config.json").read_text())
     target = args.target
     if "target" not in args.model_fields_set:  # the drafter knows its target
         target = args.target.model_copy(update={"name": cfg["target_name"]})
-    return Pair(target, local, {"model_uri": uri, "registered_model": name, "version": str(mv.version),
+    return Pair(target, local, {"model_uri": uri, "registered_model": mv.name, "version": str(mv.version),
                                 "run_id": mv.run_id, "tracking_uri": tracking})
