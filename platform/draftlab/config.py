@@ -427,7 +427,8 @@ class EngineSpec(StrictModel):
     """`on`: every round drafts; `off`: target-only decoding; `auto`: per round, draft only
     while the predicted tokens/s beat plain steps at the current load (`serve/policy.py`:
     the replica's measured forward costs by row count, observed tau and drafting time). A
-    request may override it with the `speculation` extension field."""
+    request may override it with the `speculation` extension field; a sampled request
+    with a `seed` drafts every round under `auto`, so the seed reproduces its text."""
     max_active: int = Field(16, ge=1)
     """Requests decoded at once (verified together in one forward per round); later ones
     wait their turn."""

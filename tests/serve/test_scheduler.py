@@ -114,3 +114,18 @@ def test_shutdown_fails_what_cannot_finish(tiny_prompts, decoder):
     assert not sched.alive
     with pytest.raises(RuntimeError, match="shutting down"):
         sched.submit(tiny_prompts[0], SamplingParams(), lambda e: None)
+
+
+def test_a_seed_reproduces_a_sample_whatever_the_load(tiny_prompts, decoder):
+    """Under `auto`, which rounds draft depends on the load; a seeded sample must not."""
+    params = SamplingParams(max_new_tokens=25, temperature=1.0, seed=11)
+    texts = []
+    for load in (0, 5):  # alone, then beside 5 greedy requests that push the policy to plain steps
+        sched = Scheduler(decoder, "auto", policy=crossover_policy(decoder.tree.num_nodes + 1))
+        others = [collect(sched, tiny_prompts[1], SamplingParams(max_new_tokens=25)) for _ in range(load)]
+        q, _ = collect(sched, tiny_prompts[0], params)
+        texts.append("".join(e.get("delta", "") for e in drain(q)))
+        for oq, _ in others:
+            drain(oq)
+        sched.shutdown()
+    assert texts[0] == texts[1]

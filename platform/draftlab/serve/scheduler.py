@@ -78,7 +78,12 @@ class Scheduler:
     # -- called from request handlers -----------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, publish: Callable[[dict], None],
                speculation: str | None = None, internal: bool = False) -> Ticket:
-        t = Ticket(next(self._ids), prompt, params, speculation or self.speculation, publish, internal=internal)
+        mode = speculation or self.speculation
+        if mode == "auto" and params.seed is not None and not params.greedy:
+            # Which rounds draft changes which random numbers a sample uses: a seeded sample
+            # drafts every round, so its text is the same whatever the load.
+            mode = "on"
+        t = Ticket(next(self._ids), prompt, params, mode, publish, internal=internal)
         with self._wake:
             if self._stop:
                 raise RuntimeError("the engine is shutting down")
