@@ -234,8 +234,8 @@ class SpeculativeDecoder:
 class Session:
     """One request's decoding state, advanced a round at a time by `step()`.
 
-    A server interleaves the sessions of concurrent requests round by round; each owns its
-    target and drafter caches, so they share no state. `step(speculate=False)` is a plain
+    A server batches the sessions of concurrent requests round by round (`step_many`); each
+    owns its target and drafter caches, so they share no state. `step(speculate=False)` is a plain
     target decode step (a round verifying no drafts): the drafter's pending entries grow
     and are committed by the next speculative round, so a session may switch freely.
     """
@@ -260,15 +260,9 @@ class Session:
         """Output tokens committed so far (cut at the stopping token)."""
         return self.stopper.tokens
 
-    @torch.inference_mode()
     def step(self, speculate: bool = True) -> None:
         """One target forward: verify a drafted tree (or decode one token) and commit."""
-        if self.done:
-            return
-        block = self.draft(speculate)
-        t1 = time.perf_counter()
-        logits, hid = self.dec.target.forward(block.ids, block.positions, self.cache, rows=block.rows)
-        self.commit(block, logits, hid, time.perf_counter() - t1)
+        step_many([self], [speculate])
 
     @torch.inference_mode()
     def draft(self, speculate: bool = True) -> Block:
