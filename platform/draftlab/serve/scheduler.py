@@ -58,7 +58,7 @@ class Ticket:
 
 
 class Scheduler:
-    """Owns the decoding thread. `max_active` sessions are stepped in turn; more wait."""
+    """Owns the decoding thread. Up to `max_active` sessions step together; more wait."""
 
     def __init__(self, decoder: SpeculativeDecoder, speculation: str = "auto", max_active: int = 16,
                  policy: SpeculationPolicy | None = None, on_finish: Callable[[Ticket], None] | None = None):
