@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftlab.decoding.tree import load_tree
 from draftlab.models import attention
-from draftlab.models.target import Target, cpu_has_amx_bf16
+from draftlab.models.target import Target, cpu_has_amx_bf16, cpu_has_fast_bf16, rows_invariant_linears
 
 PREFIX = torch.arange(30) % 23 + 3
 
@@ -32,15 +32,17 @@ def _stepwise(target, path: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tiny):
-    if not cpu_has_amx_bf16():
-        pytest.skip("bit-exact bf16 rows rely on oneDNN's AMX matmuls (row results independent of batch size)")
+    if not cpu_has_fast_bf16():
+        pytest.skip("bit-exact bf16 rows rely on oneDNN's AMX or AVX512-BF16 matmuls")
     cfg = LlamaConfig(
-        vocab_size=tiny.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        vocab_size=tiny.vocab_size, hidden_size=256, intermediate_size=1536, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     attention.install(model)
+    if not cpu_has_amx_bf16():  # as load_target does
+        rows_invariant_linears(model)
     return Target("gqa-bf16", model, tiny.tokenizer, "random")
 
 
@@ -74,3 +76,18 @@ def test_rows_must_match_queries(tiny):
     cache = _prefilled(tiny)
     with pytest.raises(ValueError, match="2 rows for 3 queries"):
         tiny.forward(torch.tensor([1, 2, 3]), torch.arange(10, 13), cache, rows=[11, 12])
+
+
+def test_single_rows_equal_batched_rows_bitwise():
+    """The reason for `rows_invariant_linears`: without AMX, a bf16 GEMV (one row) rounds a
+    few outputs of a 1536-wide reduction differently from the 2+ row kernel."""
+    if not cpu_has_fast_bf16():
+        pytest.skip("bf16 matmuls are slow here: targets run in float32")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+    rows_invariant_linears(lin)
+    x = torch.randn(17, 1536, dtype=torch.bfloat16)
+    for m in (2, 5, 9, 17):
+        block = lin(x[:m])
+        for i in range(m):
+            assert torch.equal(block[i], lin(x[i : i + 1])[0]) and torch.equal(block[i], lin(x[i]))

@@ -141,8 +141,15 @@ def _run_task(fn, cfg: DistillConfig, *args):
 
 
 def _bench_digest(cfg: DistillConfig) -> str:
-    b = cfg.bench
-    spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens}
+    """Bench results are reused only for the same prompts on the same kind of hardware and
+    precision (`dtype: auto` resolves per machine)."""
+    import platform as std_platform
+
+    from draftlab.models.target import resolve_device, resolve_dtype
+
+    b, device = cfg.bench, resolve_device(cfg.target.device)
+    spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens, "device": device.type,
+            "dtype": str(resolve_dtype(cfg.target.dtype, device)), "machine": std_platform.machine()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
