@@ -27,7 +27,7 @@ from draftlab.data.selfdistill import (
 )
 from draftlab.data.sources import dedup_key, junk_reason, load_prompts_from_source, reject_reason
 from draftlab.decoding.engine import autoregressive_generate
-from draftlab.models.target import cpu_has_amx_bf16
+from draftlab.models.target import cpu_has_fast_bf16
 
 PROMPTS = [
     "Write a poem about the sea.",
@@ -339,7 +339,7 @@ def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_p
 
 
 def test_generation_spec_resolves_device_from_use_gpu():
-    cpu_dtype = "bfloat16" if cpu_has_amx_bf16() else "float32"
+    cpu_dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     assert generation_spec(TINY, use_gpu=False).model_dump() == {**TINY.model_dump(), "device": "cpu", "dtype": cpu_dtype}
     assert generation_spec(TINY, use_gpu=True).model_dump() == {**TINY.model_dump(), "device": "cuda", "dtype": "bfloat16"}
     with pytest.raises(ValueError, match="use_gpu"):
