@@ -26,7 +26,8 @@ class TargetSpec(StrictModel):
     """A preset (`draftlab.models.presets.available_presets()`), a hub id, a local HF
     directory, or a `.gguf` file."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype. `auto` = bfloat16 on CUDA and on CPUs with AMX, float32 on other CPUs."""
+    """Weights dtype. `auto` = bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, float32
+    on other CPUs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the target runs. `auto` = cuda when available, else cpu."""
     trust_remote_code: bool = False
