@@ -11,6 +11,11 @@
     draftlab serve -c serving/smollm2-135m.yaml | --model-uri URI | --target T --drafter DIR
     draftlab serve --status | --shutdown
     draftlab loadtest --url http://127.0.0.1:8000/v1 --concurrency 1,4,16 --speculation on,off
+    draftlab pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml | --quick
+    draftlab submit --address http://HEAD:8265 pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
+    draftlab jobs list | logs ID [--follow] | status ID | stop ID
+    draftlab report .draftlab/pipelines/smollm2-135m-cpu | SWEEP_DIR | RUN_ID
+    draftlab generate [--check]
 
 Bad input exits with status 2 and one clear message, never a traceback.
 """
@@ -36,7 +41,9 @@ from draftlab.config import (
     load_yaml,
     parse_overrides,
 )
+from draftlab.submit import DEFAULT_ADDRESS, ENTRYPOINTS
 
+QUICK = "jobs/configs/pipeline-tiny-quick.yaml"  # `draftlab pipeline --quick` (from the repo root)
 METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
 
 
@@ -127,6 +134,37 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--temperature", type=float, default=0.0)
     lt.add_argument("--no-stream", action="store_true", help="non-streaming requests (no time to first token)")
     lt.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+
+    pl = sub.add_parser("pipeline", help="the whole loop: data, distill, sweep, promote, compare, serve, smoke, report")
+    pl.add_argument("-c", "--config", default=None, help="pipeline YAML (see jobs/configs/pipeline-*.yaml)")
+    pl.add_argument("--quick", action="store_true", help=f"a few-minute look on a tiny random target ({QUICK})")
+    pl.add_argument("--json", dest="json_out", default=None, help="also write the summary here")
+    pl.add_argument("--quiet", action="store_true", help="no progress output")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides of the pipeline file, e.g. sweep.trees=[chain]")
+
+    sb = sub.add_parser("submit", help="submit a distill / sweep / pipeline / bench job to a Ray cluster")
+    sb.add_argument("kind", choices=sorted(ENTRYPOINTS), help="which job")
+    sb.add_argument("-c", "--config", required=True, help="its YAML config (inside this repo: it is uploaded)")
+    sb.add_argument("--address", default=None, help=f"dashboard URL of the head (default $RAY_ADDRESS or {DEFAULT_ADDRESS})")
+    sb.add_argument("--pip", action="store_true", help="install the project's requirements on the cluster (not torch)")
+    sb.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the job")
+    sb.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
+    sb.add_argument("overrides", nargs="*", help="dotted overrides passed to the job")
+
+    jb = sub.add_parser("jobs", help="list / logs / status / stop jobs on a Ray cluster")
+    jb.add_argument("action", choices=["list", "logs", "status", "stop"])
+    jb.add_argument("job_id", nargs="?", default=None)
+    jb.add_argument("--address", default=None, help=f"dashboard URL of the head (default $RAY_ADDRESS or {DEFAULT_ADDRESS})")
+    jb.add_argument("--follow", action="store_true", help="logs: stream until the job ends")
+
+    rp = sub.add_parser("report", help="HTML + markdown report of a pipeline, sweep or MLflow run (logged to MLflow)")
+    rp.add_argument("source", help="pipeline dir (.draftlab/pipelines/NAME), sweep dir, or MLflow run id")
+    rp.add_argument("-o", "--out", default=None, help="output directory (default: <source>/report)")
+    rp.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
+    rp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+
+    g = sub.add_parser("generate", help="regenerate docs/configuration.md and infra/k8s/rayservice-*.yaml")
+    g.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is stale")
 
     r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
     r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
@@ -220,6 +258,62 @@ def _loadtest(a: argparse.Namespace) -> None:
     print(json.dumps(run_loadtest(cfg), indent=2))
 
 
+def _pipeline(a: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from draftlab.pipeline.runner import format_summary, run_pipeline
+
+    if bool(a.config) == a.quick:
+        raise ConfigError("give exactly one of -c PIPELINE.yaml or --quick")
+    summary = run_pipeline(a.config or QUICK, parse_overrides(a.overrides), progress=not a.quiet)
+    print(format_summary(summary))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def _submit(a: argparse.Namespace) -> None:
+    from draftlab import submit
+
+    env = dict(item.split("=", 1) for item in a.env if "=" in item)
+    if len(env) != len(a.env):
+        raise ConfigError("--env takes KEY=VALUE")
+    job_id = submit.submit(a.kind, a.config, a.overrides, a.address, a.pip, env)
+    print(f"submitted {a.kind} job {job_id}\n  draftlab jobs logs {job_id} --follow\n  draftlab jobs stop {job_id}")
+    if a.follow:
+        submit.logs(job_id, a.address, follow=True)
+        print(submit.status(job_id, a.address))
+
+
+def _jobs(a: argparse.Namespace) -> None:
+    from draftlab import submit
+
+    if a.action == "list":
+        print(submit.format_jobs(submit.list_jobs(a.address)))
+        return
+    if not a.job_id:
+        raise ConfigError(f"jobs {a.action} needs a job id (see `draftlab jobs list`)")
+    if a.action == "logs":
+        submit.logs(a.job_id, a.address, a.follow)
+    else:
+        print((submit.status if a.action == "status" else submit.stop)(a.job_id, a.address))
+
+
+def _report(a: argparse.Namespace) -> None:
+    from draftlab.report import write_report
+
+    out = write_report(a.source, a.out, a.tracking_uri, log=not a.no_log)
+    print(f"wrote {out['html']} and {out['markdown']}" + (f"; logged to MLflow run {out['logged_to']}" if out["logged_to"] else ""))
+
+
+def _generate(a: argparse.Namespace) -> None:
+    from draftlab import docs, infra
+
+    changed = docs.regenerate(a.check) + infra.regenerate(a.check)
+    if a.check and changed:
+        raise ConfigError(f"stale generated files (run `draftlab generate`): {', '.join(map(str, changed))}")
+    print("\n".join(f"{'stale' if a.check else 'wrote'} {c}" for c in changed) or "generated files are up to date")
+
+
 def _runs(a: argparse.Namespace) -> None:
     from draftlab.tracking import format_runs_table, list_runs
 
@@ -248,7 +342,8 @@ def _profile(a: argparse.Namespace) -> None:
 
 
 COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs,
-            "serve": _serve, "loadtest": _loadtest}
+            "serve": _serve, "loadtest": _loadtest, "pipeline": _pipeline, "submit": _submit, "jobs": _jobs, "report": _report,
+            "generate": _generate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ name the field (and, via :func:`load_yaml`, the file) so a typo fails before any
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -16,7 +17,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, use_attribute_docstrings=True)
 
 
 class TargetSpec(StrictModel):
@@ -365,6 +366,9 @@ class TrackingSpec(StrictModel):
     """Register the trained drafter as a model version."""
     registered_model: str | None = None
     """Registered model name; None = `draftlab-<target>-drafter`."""
+    parent_run_id: str | None = None
+    """Nest this run (a sweep: its parent run) under that MLflow run; `draftlab pipeline`
+    sets it to the pipeline's run."""
 
 
 class BenchSpec(StrictModel):
@@ -498,6 +502,11 @@ class ServeArgs(StrictModel):
     """A replica whose model check takes longer is restarted."""
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     """Running requests get this long to finish when a replica stops."""
+
+    def accepted_keys(self) -> list[str]:
+        """`api_keys` plus those in `$api_keys_env` (read where this runs: the replica)."""
+        env = os.environ.get(self.api_keys_env, "") if self.api_keys_env else ""
+        return list(self.api_keys) + [k.strip() for k in env.split(",") if k.strip()]
 
 
 class LoadtestConfig(StrictModel):

@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -450,6 +450,38 @@ class Tracker:
         if self.enabled:
             self.log_text(json.dumps(d, indent=2, default=str), artifact_file)
 
+    def run_exists(self) -> bool:
+        """True if `run_id` names a run of this tracking store (a sqlite file that does not
+        exist yet holds none, and is not created just to find that out). A server that does
+        not answer raises `TrackingUnavailable` at once instead of retrying for minutes."""
+        if not self.enabled or not self.run_id:
+            return False
+        db = _sqlite_path(self.tracking_uri)
+        if db is not None and not db.exists():
+            return False
+        if _is_http(self.tracking_uri) and not _server_reachable(self.tracking_uri, timeout=5.0):
+            raise TrackingUnavailable(f"MLflow at {self.tracking_uri} does not answer")
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(self.run_id)
+        except MlflowException as e:
+            if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return False
+            raise
+        return True
+
+    def download_artifacts(self, dst_dir: str | os.PathLike, names: Iterable[str] | None = None) -> list[str]:
+        """Copy the run's top-level artifacts (files or folders) named in `names`, default
+        all, into `dst_dir`; returns the names it had."""
+        if not self.enabled:
+            return []
+        run_id, wanted = self._require_run(), None if names is None else set(names)
+        present = sorted(a.path for a in self.client.list_artifacts(run_id) if wanted is None or a.path in wanted)
+        for name in present:
+            self.client.download_artifacts(run_id, name, str(dst_dir))
+        return present
+
     def register_model(self, artifact_path: str, name: str,
                        tags: Mapping[str, Any] | None = None) -> str:
         """Register `runs:/<run_id>/<artifact_path>` as a new version of `name`; returns it."""
@@ -477,6 +509,11 @@ class Tracker:
 
 
 # ----------------------------------------------------------------------------- promotion
+
+
+def parent_tags(parent_run_id: str | None) -> dict[str, str]:
+    """The tag that nests a run under `parent_run_id` in the MLflow UI (none if None)."""
+    return {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
 
 
 def drafter_model_name(target: str) -> str:

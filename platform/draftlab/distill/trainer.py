@@ -19,7 +19,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from draftlab.config import DistillConfig
 from draftlab.distill.worker import train_fn_per_worker
-from draftlab.tracking import Tracker, drafter_model_name, resolve_tracking_uri
+from draftlab.tracking import Tracker, drafter_model_name, parent_tags, resolve_tracking_uri
 
 
 def storage_uri(path: str) -> str:
@@ -91,7 +91,8 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     tracker = Tracker(tracking_uri=tracking_uri, experiment=cfg.tracking.experiment, run_id=None, enabled=True)
     run_id = tracker.start_or_resume(
-        cfg.name, tags={"draftlab.kind": "distill", "draftlab.target": cfg.target.name, "draftlab.family": cfg.drafter.family}
+        cfg.name, tags={"draftlab.kind": "distill", "draftlab.target": cfg.target.name, "draftlab.family": cfg.drafter.family,
+                        **parent_tags(cfg.tracking.parent_run_id)}
     )
     tracker.log_params(cfg.model_dump())
     tracker.log_params({"data.cache_path": str(data_path), "data.train_samples": len(data["train"]),

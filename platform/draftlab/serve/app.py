@@ -12,7 +12,6 @@ bad request never costs a replica.
 # No `from __future__ import annotations`: Serve's class ingress rewrites the route methods'
 # signatures, and FastAPI must see `Request` as a class, not a string, to inject it.
 import json
-import os
 import secrets
 
 from fastapi import FastAPI, Request
@@ -77,10 +76,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, args: dict):
         self.engine = engine
         self.args = ServeArgs.model_validate(args)
-        keys = list(self.args.api_keys)
-        if self.args.api_keys_env:
-            keys += [k.strip() for k in os.environ.get(self.args.api_keys_env, "").split(",") if k.strip()]
-        self.keys = keys
+        self.keys = self.args.accepted_keys()
         self._info: dict | None = None
 
     async def info(self) -> dict:

@@ -153,16 +153,20 @@ def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bo
 
 def run_sweep(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
     """Run the sweep of `path`; returns the summary (also `results/summary.json`)."""
+    return start_sweep(*load_sweep(path, overrides), str(path), progress)
+
+
+def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = True) -> dict:
+    """Run an already loaded sweep (`load_sweep`, or built by `draftlab pipeline`)."""
     from draftlab.data.selfdistill import load_or_generate
     from draftlab.distill.trainer import ensure_ray
 
-    sweep, base = load_sweep(path, overrides)
     exp_dir, trainings = _paths(base, sweep.name)
     ensure_ray()
     cfg = trial_config(base, {})
     data = load_or_generate(cfg.data, cfg.target, progress=progress)  # cached: never per trial
     data_path = str(Path(data["train"].cache_files[0]["filename"]).parent.parent)
-    state = {"sweep": sweep.model_dump(mode="json"), "base": base, "source": str(path), "data_path": data_path}
+    state = {"sweep": sweep.model_dump(mode="json"), "base": base, "source": source, "data_path": data_path}
     return _run(sweep, base, state, exp_dir, trainings, progress, restore=False)
 
 
@@ -184,7 +188,7 @@ def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
 
 
 def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: Path, progress: bool, restore: bool) -> dict:
-    from draftlab.tracking import Tracker, resolve_tracking_uri
+    from draftlab.tracking import Tracker, parent_tags, resolve_tracking_uri
 
     cfg = trial_config(base, {})
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
@@ -192,6 +196,7 @@ def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: 
     parent = Tracker(tracking_uri=uri, experiment=sweep.experiment, run_id=state.get("parent_run_id") if restore else None)
     parent_id = parent.start_or_resume(f"sweep-{sweep.name}", resume=restore, tags={
         "draftlab.kind": "sweep", "draftlab.sweep": sweep.name, "draftlab.target": cfg.target.name,
+        **parent_tags(cfg.tracking.parent_run_id),
     })
     if not restore:
         parent.log_params({"sweep": sweep.model_dump(mode="json"), "base_config": state["source"]})

@@ -134,17 +134,22 @@ def load_sweep(path: str | Path, overrides: dict | None = None) -> tuple[SweepCo
     against the base, so a bad field or value names the sweep file and the field."""
     path = Path(path)
     sweep = load_yaml(SweepConfig, path, overrides)
-    base_file = _resolve(sweep.base, path)
+    return sweep, sweep_base(sweep, _resolve(sweep.base, path), str(path))
+
+
+def sweep_base(sweep: SweepConfig, base_file: Path, where: str) -> dict:
+    """`base_file` with the sweep's overrides, after checking every point of the space
+    against it (errors start with `where`, the sweep's source)."""
     base = apply_dotted(read_mapping(base_file), sweep.overrides)
-    trial_config(base, {}, where=f"{path}: overrides (base {base_file})")
+    trial_config(base, {}, where=f"{where}: overrides (base {base_file})")
     if sweep.search.algorithm == "grid":
         ranged = [k for k, d in sweep.space.items() if isinstance(d, dict)]
         if ranged:
-            raise ConfigError(f"{path}: space.{ranged[0]}: grid search needs a list of values (ranges need random or optuna)")
+            raise ConfigError(f"{where}: space.{ranged[0]}: grid search needs a list of values (ranges need random or optuna)")
     for key, dim in sweep.space.items():
         for value in dim if isinstance(dim, list) else next(iter(dim.values())):
-            trial_config(base, {key: value}, where=f"{path}: space.{key}={value!r} (base {base_file})")
-    return sweep, base
+            trial_config(base, {key: value}, where=f"{where}: space.{key}={value!r} (base {base_file})")
+    return base
 
 
 def trial_config(base: dict, params: dict[str, Any], name: str | None = None, where: str = "trial") -> DistillConfig:

@@ -1,0 +1,243 @@
+"""`draftlab pipeline`: run the stages in order under one MLflow parent run, skipping those
+whose outputs exist for the same inputs, and print the summary.
+
+    draftlab pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
+    draftlab pipeline --quick
+
+State under `<state_dir>/<name>/` (default `.draftlab/pipelines/<name>/`):
+
+    state.json            the MLflow parent run (a re-run continues it)
+    stages/<stage>.json   inputs' fingerprint, outputs and wall time of each finished stage
+    bench.json            champion vs ar / HF generate / HF prompt lookup (compare stage)
+    profile.json          this hardware's verify and drafting costs
+    sweep/                the sweep's results (table, plots, summary)
+    summary.json, report/ the final summary and the HTML/markdown report
+
+A stage re-runs when its fingerprint (its config plus the outputs it consumes) changes or
+its outputs are gone; the work inside a stage resumes too (cached data shards, Ray Train
+checkpoints, `Tuner.restore` of an interrupted sweep). The smoke request always runs: it
+checks the live endpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab.pipeline import stages
+from draftlab.pipeline.config import Pipeline, load_pipeline
+
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _atomic_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+@dataclass
+class Stage:
+    name: str
+    fn: Callable[[PipelineRun], dict]
+    inputs: Callable[[PipelineRun], object]  # what the stage's result depends on
+    valid: Callable[[PipelineRun, dict], bool] = lambda run, out: True  # are its recorded outputs still there?
+    always: bool = False
+
+
+def _exists(key: str) -> Callable[[PipelineRun, dict], bool]:
+    return lambda run, out: Path(out[key]).exists()
+
+
+def _sweep_inputs(run: PipelineRun):
+    return {"sweep": run.p.sweep.model_dump(mode="json"), "base": run.p.sweep_base(run.parent_id),
+            "data": run.outputs["data"]["data_path"]}
+
+
+STAGES = [
+    Stage("data", stages.data, lambda r: [r.p.distill.data.model_dump(mode="json"), r.p.distill.target.model_dump()],
+          _exists("data_path")),
+    Stage("distill", stages.distill, lambda r: [r.p.distill.model_dump(mode="json"), r.outputs["data"]["data_path"]],
+          _exists("drafter_dir")),
+    Stage("sweep", stages.sweep, _sweep_inputs, _exists("experiment_dir")),
+    Stage("promote", stages.promote, stages.candidates, stages.champion_is_current),
+    Stage("compare", stages.compare, lambda r: [r.p.cfg.compare.model_dump(), r.outputs["promote"]["version"]],
+          lambda r, o: (r.dir / "bench.json").is_file()),
+    Stage("serve", stages.serve, lambda r: [r.p.serve_spec(r.outputs["promote"]["model_uri"], r.tracking_uri)["args"]
+                                            .model_dump(mode="json"), r.outputs["promote"]["version"]], stages.serving),
+    Stage("smoke", stages.smoke, lambda r: None, always=True),
+    Stage("report", stages.report, lambda r: [r.outputs["promote"], r.outputs["compare"], r.outputs.get("sweep")],
+          _exists("html")),
+]
+
+
+@dataclass
+class PipelineRun:
+    """One execution of a pipeline: where its state lives and what each stage produced."""
+
+    p: Pipeline
+    dir: Path
+    tracking_uri: str
+    parent: object  # draftlab.tracking.Tracker of the parent run
+    cluster: dict
+    progress: bool = True
+    outputs: dict[str, dict] = field(default_factory=dict)
+    status: dict[str, dict] = field(default_factory=dict)  # stage -> {status, wall_s}
+
+    @property
+    def parent_id(self) -> str:
+        return self.parent.run_id
+
+    @property
+    def storage(self) -> str:
+        from draftlab.distill.trainer import storage_uri
+
+        return storage_uri(self.p.distill.storage_path)
+
+    def run_stage(self, i: int, stage: Stage) -> None:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        record = self.dir / "stages" / f"{stage.name}.json"
+        fp = fingerprint(stage.inputs(self))
+        if not stage.always and record.is_file():
+            rec = json.loads(record.read_text())
+            if rec["fingerprint"] == fp and stage.valid(self, rec["outputs"]):
+                self.outputs[stage.name] = rec["outputs"]
+                self.status[stage.name] = {"status": "skipped (done before)", "wall_s": rec["wall_s"]}
+                if self.progress:
+                    console.print(f"[bold]\\[{i}/{len(self.stages)}] {stage.name}[/]: done before, skipped "
+                                  f"({rec['wall_s']:.0f} s then)")
+                return
+        if self.progress:
+            console.rule(f"[bold]\\[{i}/{len(self.stages)}] {stage.name}")
+        t0 = time.perf_counter()
+        out = stage.fn(self)
+        wall = time.perf_counter() - t0
+        _atomic_json(record, {"fingerprint": fp, "outputs": out, "wall_s": wall, "finished_at": time.time()})
+        self.outputs[stage.name] = out
+        self.status[stage.name] = {"status": "ran", "wall_s": wall}
+        self.parent.log_metrics_now({f"stage_s/{stage.name}": wall}, 0)
+        if self.progress:
+            console.print(f"[bold green]\\[{i}/{len(self.stages)}] {stage.name}[/]: done in {wall:.0f} s")
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [s for s in STAGES if s.name != "sweep" or self.p.sweep is not None]
+
+    def summary(self) -> dict:
+        o = self.outputs
+        return {"name": self.p.cfg.name, "config": str(self.p.source), "mlflow_run_id": self.parent_id,
+                "tracking_uri": self.tracking_uri, "experiment": self.p.cfg.experiment, "cluster": self.cluster,
+                "stages": self.status, "champion": o.get("promote"), "compare": o.get("compare"),
+                "endpoint": o.get("serve"), "smoke": o.get("smoke"), "sweep": o.get("sweep"),
+                "baseline": o.get("distill"), "data": o.get("data"), "report": o.get("report")}
+
+    def write_summary(self) -> dict:
+        s = self.summary()
+        _atomic_json(self.dir / "summary.json", s)
+        self.parent.log_dict(s, "summary.json")
+        return s
+
+
+def connect_cluster(progress: bool = True) -> dict:
+    """This process's Ray: the instance already initialised, RAY_ADDRESS, a cluster running
+    on this machine, else a new local head (`ray start --head`), which outlives the pipeline
+    so the endpoint stays up (`ray stop` ends it)."""
+    import ray
+    from ray._private.worker import get_dashboard_url
+
+    started = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        try:
+            ray.init(address=address or "auto", log_to_driver=True)
+        except ConnectionError:
+            if address:
+                raise
+            if progress:
+                print("no Ray cluster on this machine: starting one (`ray start --head`; `ray stop` ends it)", flush=True)
+            ray_bin = Path(sys.executable).with_name("ray")
+            subprocess.run([str(ray_bin), "start", "--head", f"--num-cpus={os.cpu_count()}", "--include-dashboard=true",
+                            "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+                           check=True, capture_output=not progress)
+            ray.init(address="auto", log_to_driver=True)
+            started = True
+    url = get_dashboard_url()
+    return {"address": ray.get_runtime_context().gcs_address, "dashboard": f"http://{url}" if url and "://" not in url else url,
+            "started_here": started}
+
+
+def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
+    """Run (or continue) the pipeline of `path`; returns the summary."""
+    from draftlab.tracking import Tracker, resolve_tracking_uri
+
+    p = load_pipeline(path, overrides)
+    run_dir = Path(p.cfg.state_dir).expanduser().resolve() / p.cfg.name
+    uri = resolve_tracking_uri(p.distill.tracking.tracking_uri)
+    state_file = run_dir / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    parent = Tracker(tracking_uri=uri, experiment=p.cfg.experiment, run_id=state.get("mlflow_run_id"))
+    parent.start_or_resume(f"pipeline-{p.cfg.name}", tags={"draftlab.kind": "pipeline", "draftlab.pipeline": p.cfg.name,
+                                                           "draftlab.target": p.distill.target.name})
+    _atomic_json(state_file, {"mlflow_run_id": parent.run_id, "config": str(p.source)})
+    parent.log_params({"pipeline": p.cfg.model_dump(mode="json")})
+    run = PipelineRun(p, run_dir, uri, parent, connect_cluster(progress), progress)
+    t0 = time.perf_counter()
+    try:
+        for i, stage in enumerate(run.stages, 1):
+            run.run_stage(i, stage)
+    except BaseException as e:
+        failed = next((s.name for s in run.stages if s.name not in run.status), "?")
+        run.status[failed] = {"status": f"failed: {type(e).__name__}: {e}"[:300], "wall_s": None}
+        run.write_summary()
+        parent.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+    run.status["total"] = {"status": "ran", "wall_s": time.perf_counter() - t0}
+    summary = run.write_summary()
+    parent.log_metrics_now({"pipeline_wall_s": time.perf_counter() - t0}, 0)
+    parent.end("FINISHED")
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    """The final summary: stages, champion, figures, endpoint, where to look."""
+    from draftlab.serve.control import example_curl
+
+    lines = [f"pipeline {s['name']}: stages"]
+    for name, st in s["stages"].items():
+        wall = f"{st['wall_s']:.0f} s" if isinstance(st.get("wall_s"), float) else "-"
+        lines.append(f"  {name:<8} {wall:>7}  {st['status']}")
+    c, cmp, ep = s["champion"], s["compare"], s["endpoint"]
+    lines += [
+        f"champion: {c['model']} version {c['version']} @{c['alias']} (from the {c['source']}): "
+        f"{c['family']} drafter K={c['k']} depth={c['depth']} tree={c['tree']}",
+        f"  measured on {cmp['prompts']} prompts ({cmp['device']}): tau {cmp['tau']:.2f}, "
+        + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in cmp.items() if k.startswith("speedup_vs_"))
+        + f", greedy output identical to the target's: {cmp['greedy_identical']}",
+        f"endpoint: {ep['url']} (model {ep['model']!r})",
+        "  " + example_curl(ep["url"].removesuffix("/v1"), ep["model"], False),
+        "  python: from openai import OpenAI; "
+        f"c = OpenAI(base_url={ep['url']!r}, api_key='none'); "
+        f"print(c.chat.completions.create(model={ep['model']!r}, messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)",
+        f"smoke request: {s['smoke']['latency_s']} s -> {s['smoke']['text'][:80]!r}",
+        f"MLflow: run {s['mlflow_run_id']} in experiment {s['experiment']}; UI: "
+        + (f"mlflow ui --backend-store-uri {s['tracking_uri']}" if s["tracking_uri"].startswith("sqlite")
+           else s["tracking_uri"]),
+        f"Ray dashboard: {s['cluster']['dashboard'] or 'not running (install ray[default])'}"
+        + ("; the cluster started here keeps serving: `ray stop` ends it" if s["cluster"]["started_here"] else ""),
+    ]
+    if s.get("report"):
+        lines.append(f"report: {s['report']['html']}")
+    return "\n".join(lines)

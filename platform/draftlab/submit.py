@@ -1,0 +1,139 @@
+"""`draftlab submit` and `draftlab jobs`: Ray's job submission SDK with a runtime
+environment built from this repo.
+
+    draftlab submit --address http://HEAD:8265 pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
+    draftlab jobs list | logs ID [--follow] | status ID | stop ID
+
+The job runs `python <entrypoint> -c CONFIG [overrides]` in the uploaded repo (the
+`working_dir`, minus virtualenvs, caches and run outputs). The draftlab package is shipped
+as a `py_module`, so the cluster runs this checkout's code even where an older draftlab is
+installed in the image; `--pip` also installs the project's requirements on the cluster
+(torch excluded: it comes with the image's CUDA stack).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+from draftlab.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRYPOINTS = {"distill": "jobs/distill.py", "sweep": "sweeps/run.py", "pipeline": "jobs/pipeline.py",
+               "bench": "jobs/bench.py"}
+EXCLUDES = [".git/", ".venv/", "venv/", ".draftlab/", "**/__pycache__/", "*.egg-info/", ".pytest_cache/",
+            ".ruff_cache/", "mlruns/", "mlartifacts/", "*.safetensors", "*.gguf"]
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+
+
+def address(given: str | None) -> str:
+    """--address, else $RAY_API_SERVER_ADDRESS / $RAY_ADDRESS when it is a dashboard URL,
+    else the local dashboard."""
+    for value in (given, os.environ.get("RAY_API_SERVER_ADDRESS"), os.environ.get("RAY_ADDRESS")):
+        if value and value.startswith(("http://", "https://")):
+            return value
+    if given:
+        raise ConfigError(f"--address {given!r}: give the head's dashboard URL, e.g. http://HEAD:8265")
+    return DEFAULT_ADDRESS
+
+
+def requirements(root: Path = ROOT) -> list[str]:
+    """The project's dependencies from pyproject.toml, without torch."""
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [d for d in deps if not d.replace(" ", "").lower().startswith("torch")]
+
+
+def runtime_env(pip: bool = False, env_vars: dict[str, str] | None = None, root: Path = ROOT) -> dict:
+    env = {"working_dir": str(root), "excludes": EXCLUDES, "py_modules": [str(root / "platform" / "draftlab")]}
+    if pip:
+        env["pip"] = requirements(root)
+    if env_vars:
+        env["env_vars"] = dict(env_vars)
+    return env
+
+
+def client(addr: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    url = address(addr)
+    try:
+        return JobSubmissionClient(url)
+    except (ConnectionError, RuntimeError) as e:
+        raise ConnectionError(f"no Ray dashboard at {url} ({str(e).splitlines()[0]}): start the cluster with "
+                              f"`ray start --head` or pass --address http://HEAD:8265") from None
+
+
+def submit(kind: str, config: str, overrides: list[str], addr: str | None = None, pip: bool = False,
+           env_vars: dict[str, str] | None = None, root: Path = ROOT) -> str:
+    """Submit `kind` with `config` (a path inside the repo); returns the job id."""
+    if kind not in ENTRYPOINTS:
+        raise ConfigError(f"unknown job kind {kind!r} (allowed: {', '.join(ENTRYPOINTS)})")
+    cfg = Path(config).resolve()
+    try:
+        rel = cfg.relative_to(root)
+    except ValueError:
+        raise ConfigError(f"-c {config}: the config must be inside the repo ({root}), which is what gets uploaded") from None
+    if not cfg.is_file():
+        raise ConfigError(f"-c {config}: config file not found")
+    entrypoint = " ".join(["python", ENTRYPOINTS[kind], "-c", str(rel), *(f"'{o}'" for o in overrides)])
+    return client(addr).submit_job(entrypoint=entrypoint, runtime_env=runtime_env(pip, env_vars, root),
+                                   metadata={"draftlab.kind": kind, "draftlab.config": str(rel)})
+
+
+def list_jobs(addr: str | None = None) -> list[dict]:
+    rows = []
+    for j in sorted(client(addr).list_jobs(), key=lambda j: j.start_time or 0, reverse=True):
+        rows.append({"id": j.submission_id or j.job_id, "status": str(j.status.value if hasattr(j.status, "value") else j.status),
+                     "kind": (j.metadata or {}).get("draftlab.kind", ""), "config": (j.metadata or {}).get("draftlab.config", ""),
+                     "entrypoint": j.entrypoint, "start_time": j.start_time, "message": j.message})
+    return rows
+
+
+def format_jobs(rows: list[dict]) -> str:
+    import datetime as dt
+
+    lines = [f"{'job id':<30} {'status':<10} {'kind':<9} {'started':<20} entrypoint"]
+    for r in rows:
+        started = dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S") if r["start_time"] else ""
+        lines.append(f"{r['id']:<30} {r['status']:<10} {r['kind']:<9} {started:<20} {r['entrypoint']}")
+    return "\n".join(lines)
+
+
+def logs(job_id: str, addr: str | None = None, follow: bool = False) -> None:
+    """Print the job's logs (`follow`: stream them until the job ends)."""
+    import asyncio
+    import sys
+
+    c = client(addr)
+    status(job_id, addr)  # an unknown id fails here, clearly
+    if not follow:
+        sys.stdout.write(c.get_job_logs(job_id))
+        return
+
+    async def tail():
+        async for chunk in c.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    asyncio.run(tail())
+
+
+def _unknown(job_id: str, e: RuntimeError) -> ValueError:
+    return ValueError(f"job {job_id!r}: {str(e).splitlines()[0]} (see `draftlab jobs list`)")
+
+
+def status(job_id: str, addr: str | None = None) -> str:
+    try:
+        info = client(addr).get_job_info(job_id)
+    except RuntimeError as e:
+        raise _unknown(job_id, e) from None
+    return f"{job_id}: {info.status}" + (f" ({info.message})" if info.message else "")
+
+
+def stop(job_id: str, addr: str | None = None) -> str:
+    try:
+        stopped = client(addr).stop_job(job_id)
+    except RuntimeError as e:
+        raise _unknown(job_id, e) from None
+    return f"{job_id}: stop requested" if stopped else f"{job_id}: already finished"
