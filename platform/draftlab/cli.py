@@ -347,7 +347,15 @@ COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-t
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `key=value` overrides may also follow options (`submit distill -c X train.lr=1`)
+    overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    if hasattr(args, "overrides") and overrides:
+        args.overrides += overrides
+        extra = [e for e in extra if e not in overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         COMMANDS[args.command](args)
     except ValidationError as e:

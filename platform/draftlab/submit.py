@@ -13,6 +13,7 @@ installed in the image; `--pip` also installs the project's requirements on the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tomllib
 from pathlib import Path
@@ -64,18 +65,48 @@ def client(addr: str | None):
                               f"`ray start --head` or pass --address http://HEAD:8265") from None
 
 
+def staged_config(cfg: Path, root: Path = ROOT) -> Path:
+    """`cfg` itself when it is inside the uploaded repo, else a copy in `<repo>/.submit/`.
+
+    Ray's upload skips whatever `.gitignore` lists, so `.submit/` is hidden from git through
+    `.git/info/exclude` instead (git reads it, Ray does not). Paths inside the config are not
+    rewritten: use absolute or repo-relative ones."""
+    excluded_dirs = {e.rstrip("/") for e in EXCLUDES if e.endswith("/") and "*" not in e}
+    if cfg.is_relative_to(root) and cfg.relative_to(root).parts[0] not in excluded_dirs:
+        return cfg
+    data = cfg.read_bytes()
+    staged = root / ".submit" / f"{hashlib.sha256(data).hexdigest()[:8]}-{cfg.name}"
+    staged.parent.mkdir(exist_ok=True)
+    staged.write_bytes(data)
+    _git_exclude(root, "/.submit/")
+    return staged
+
+
+def _git_exclude(root: Path, pattern: str) -> None:
+    """Add `pattern` to the checkout's `info/exclude` (worktrees included); no git, no-op."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--git-path", "info/exclude"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return
+    exclude = (root / out).resolve()
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    if pattern not in (exclude.read_text().splitlines() if exclude.is_file() else []):
+        with exclude.open("a") as f:
+            f.write(f"\n{pattern}\n")
+
+
 def submit(kind: str, config: str, overrides: list[str], addr: str | None = None, pip: bool = False,
            env_vars: dict[str, str] | None = None, root: Path = ROOT) -> str:
     """Submit `kind` with `config` (a path inside the repo); returns the job id."""
     if kind not in ENTRYPOINTS:
         raise ConfigError(f"unknown job kind {kind!r} (allowed: {', '.join(ENTRYPOINTS)})")
     cfg = Path(config).resolve()
-    try:
-        rel = cfg.relative_to(root)
-    except ValueError:
-        raise ConfigError(f"-c {config}: the config must be inside the repo ({root}), which is what gets uploaded") from None
     if not cfg.is_file():
         raise ConfigError(f"-c {config}: config file not found")
+    rel = staged_config(cfg, root).relative_to(root)
     entrypoint = " ".join(["python", ENTRYPOINTS[kind], "-c", str(rel), *(f"'{o}'" for o in overrides)])
     return client(addr).submit_job(entrypoint=entrypoint, runtime_env=runtime_env(pip, env_vars, root),
                                    metadata={"draftlab.kind": kind, "draftlab.config": str(rel)})

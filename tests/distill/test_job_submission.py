@@ -1,4 +1,4 @@
-"""`jobs/distill.py` submitted with Ray's job submission SDK to a real `ray start --head`."""
+"""`draftlab submit` / `draftlab jobs` (Ray's job submission SDK) against a real `ray start --head`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
+DRAFTLAB = str(Path(sys.executable).with_name("draftlab"))
 
 
 @pytest.fixture(scope="module")
@@ -61,37 +62,54 @@ def head(tmp_path_factory):
             current.unlink()
 
 
-def _ray(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    # As a user runs it against a cluster with Ray's token auth on: RAY_AUTH_MODE=token makes
-    # the client send ~/.ray/auth_token (written by `ray start --head`).
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`draftlab ...` as a user runs it against a cluster with Ray's token auth on:
+    RAY_AUTH_MODE=token makes the client send ~/.ray/auth_token (written by `ray start --head`)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    return subprocess.run([RAY, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([DRAFTLAB, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_distill_job_succeeds(head, tmp_path):
+def test_submit_runs_a_distill_job_and_jobs_logs_shows_its_output(head, tmp_path):
     cfg = tiny_config(tmp_path, "job", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file = tmp_path / "tiny.yaml"  # outside the repo: staged into <repo>/.submit/ and uploaded
     cfg_file.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
-    runtime_env = {"excludes": [".venv/", ".git/", ".draftlab/", "**/__pycache__/"]}
     deadline = time.time() + 90
     while True:  # the dashboard's job agent can take a few seconds to come up
-        sub = _ray("job", "submit", "--address", head, "--no-wait", "--working-dir", str(ROOT),
-                   "--runtime-env-json", json.dumps(runtime_env), "--",
-                   "python", "jobs/distill.py", "-c", str(cfg_file), "train.epochs=2")
+        sub = _cli("submit", "distill", "--address", head, "-c", str(cfg_file), "train.epochs=2")
         if sub.returncode == 0 or time.time() > deadline:
             break
         time.sleep(3)
     assert sub.returncode == 0, sub.stdout + sub.stderr
-    job_id = re.search(r"(raysubmit_\w+)", sub.stdout + sub.stderr).group(1)
+    job_id = re.search(r"submitted distill job (\S+)", sub.stdout).group(1)
     status = ""
     deadline = time.time() + 400
     while time.time() < deadline:
-        out = _ray("job", "status", "--address", head, job_id)
-        status = (out.stdout + out.stderr).lower()  # "Job '...' succeeded" is logged to stderr
-        if any(s in status for s in ("succeeded", "failed", "stopped")):
+        status = _cli("jobs", "status", job_id, "--address", head).stdout
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
             break
         time.sleep(3)
-    logs = _ray("job", "logs", "--address", head, job_id).stdout
-    assert "succeeded" in status, status + logs[-3000:]
+    logs = _cli("jobs", "logs", job_id, "--address", head).stdout
+    assert "SUCCEEDED" in status, status + logs[-3000:]
     assert '"registered_model": "draftlab-tiny-llama-drafter"' in logs
     assert (tmp_path / "ray" / "job" / "drafter" / "model.safetensors").is_file()
+    listed = _cli("jobs", "list", "--address", head).stdout
+    assert job_id in listed and "distill" in listed and "SUCCEEDED" in listed
+
+
+def test_jobs_errors_are_clear(head):
+    out = _cli("jobs", "logs", "raysubmit_nope", "--address", head)
+    assert out.returncode == 2 and "job 'raysubmit_nope'" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("jobs", "list", "--address", "http://127.0.0.1:1")
+    assert out.returncode == 2 and "no Ray dashboard at http://127.0.0.1:1" in out.stderr, out.stderr
+    out = _cli("submit", "distill", "--address", head, "-c", "missing.yaml")
+    assert out.returncode == 2 and "missing.yaml: config file not found" in out.stderr
+
+
+def test_runtime_env_ships_this_checkout():
+    from draftlab.submit import requirements, runtime_env
+
+    env = runtime_env(pip=True, env_vars={"A": "1"})
+    assert env["working_dir"] == str(ROOT) and env["py_modules"] == [str(ROOT / "platform" / "draftlab")]
+    assert ".venv/" in env["excludes"] and ".draftlab/" in env["excludes"]
+    assert env["pip"] == requirements() and not any(r.startswith("torch") for r in env["pip"])
+    assert any(r.startswith("ray[") for r in env["pip"]) and env["env_vars"] == {"A": "1"}

@@ -12,7 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftlab.decoding.tree import load_tree
 from draftlab.models import attention
-from draftlab.models.target import Target, cpu_has_amx_bf16, cpu_has_fast_bf16, rows_invariant_linears
+from draftlab.models.target import (
+    Target,
+    cpu_has_amx_bf16,
+    cpu_has_fast_bf16,
+    rows_invariant_linears,
+)
 
 PREFIX = torch.arange(30) % 23 + 3
 

@@ -159,7 +159,7 @@ def test_loadtest_reports_every_level_and_mode(base_url):
     assert report["model"] == TINY
     rows = {(r["concurrency"], r["speculation"]): r for r in report["levels"]}
     assert set(rows) == {(1, "on"), (1, "off"), (3, "on"), (3, "off")}
-    for (c, mode), r in rows.items():
+    for (_c, mode), r in rows.items():
         assert r["errors"] == 0 and r["requests"] == 3 and r["output_tokens_per_s"] > 0
         assert r["ttft_p50_s"] <= r["latency_p95_s"]
         assert r["tau"] == 1.0 if mode == "off" else r["tau"] >= 1.0

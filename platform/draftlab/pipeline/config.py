@@ -108,6 +108,19 @@ class PipelineConfig(StrictModel):
     """Stage records, bench/profile reports, summary and report land in `<state_dir>/<name>/`."""
 
 
+def dotted(d: dict, prefix: str = "") -> dict:
+    """Nested mappings as dotted keys: `{"train": {"lr": 1}}` -> `{"train.lr": 1}`, so a
+    nested override (from YAML, or `overrides.train.lr=1` on the command line) sets one
+    field instead of replacing its whole section."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            out |= dotted(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _find(ref: str, pipeline_file: Path, what: str) -> Path:
     for candidate in (pipeline_file.parent / ref, Path(ref)):
         if candidate.is_file():
@@ -122,7 +135,7 @@ class Pipeline:
     def __init__(self, cfg: PipelineConfig, source: Path):
         self.cfg, self.source = cfg, source
         self.distill_file = _find(cfg.distill, source, "distill")
-        base = apply_dotted(read_mapping(self.distill_file), cfg.overrides)
+        base = apply_dotted(read_mapping(self.distill_file), dotted(cfg.overrides))
         self.base = base | {"tracking": {**base.get("tracking", {}), "experiment": cfg.experiment}}
         self.distill: DistillConfig = trial_config(self.base, {}, name=f"{cfg.name}-baseline",
                                                    where=f"{source}: overrides (distill {self.distill_file})")
@@ -131,7 +144,7 @@ class Pipeline:
             try:
                 self.sweep = SweepConfig(name=cfg.name, base=str(self.distill_file), experiment=cfg.experiment,
                                          promote=False, **cfg.sweep.model_dump(exclude={"overrides"}),
-                                         overrides=cfg.overrides | cfg.sweep.overrides)
+                                         overrides=dotted(cfg.overrides) | dotted(cfg.sweep.overrides))
             except ValidationError as e:
                 raise ConfigError(format_validation_error(e, f"{source}: sweep")) from None
         self.serve_file = _find(cfg.serve.config, source, "serve.config")
@@ -148,7 +161,7 @@ class Pipeline:
 
         spec = load_serve_config(self.serve_file)
         data = apply_dotted(spec["args"].model_dump(exclude_unset=True),
-                            {"model_uri": model_uri, "tracking_uri": tracking_uri} | self.cfg.serve.overrides)
+                            {"model_uri": model_uri, "tracking_uri": tracking_uri} | dotted(self.cfg.serve.overrides))
         try:
             spec["args"] = ServeArgs.model_validate(data)
         except ValidationError as e:

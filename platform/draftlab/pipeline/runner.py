@@ -35,7 +35,6 @@ from draftlab.pipeline import stages
 from draftlab.pipeline.config import Pipeline, load_pipeline
 
 
-
 def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

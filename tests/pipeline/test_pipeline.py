@@ -1,0 +1,144 @@
+"""`draftlab pipeline` for real on the tiny target: Ray Data generation, Ray Train, Ray Tune,
+the MLflow registry on a real tracking server, Ray Serve and an HTTP request with the
+official `openai` client; a second run skips every finished stage, and a run after an
+interruption continues at the first unfinished one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+from mlflow import MlflowClient
+
+from draftlab.cli import main
+from draftlab.config import ConfigError
+from draftlab.pipeline.config import load_pipeline
+from draftlab.pipeline.runner import format_summary, run_pipeline
+from mlflow_server import MlflowServer, free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["data", "distill", "sweep", "promote", "compare", "serve", "smoke", "report"]
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024**2)
+    yield
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
+        yield server.url
+
+
+def pipeline_file(tmp: Path, uri: str, port: int) -> Path:
+    """The --quick pipeline with every output under `tmp` and the test's MLflow and port."""
+    doc = yaml.safe_load((ROOT / "jobs/configs/pipeline-tiny-quick.yaml").read_text())
+    doc |= {"distill": str(ROOT / "jobs/configs/pipeline-tiny-distill.yaml"), "state_dir": str(tmp / "state"),
+            "overrides": {"storage_path": str(tmp / "ray"), "data": {"cache_dir": str(tmp / "data")},
+                          "tracking": {"tracking_uri": uri}}}
+    doc["serve"] |= {"config": str(ROOT / doc["serve"]["config"].removeprefix("../../")), "port": port}
+    path = tmp / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def first(ray_local, mlflow_uri, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    path = pipeline_file(tmp, mlflow_uri, free_port())
+    return path, run_pipeline(path, progress=False)
+
+
+def test_every_stage_runs_for_real(first, mlflow_uri):
+    path, s = first
+    assert [k for k in s["stages"] if k != "total"] == STAGES
+    assert all(s["stages"][k]["status"] == "ran" for k in STAGES)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    champ = s["champion"]
+    mv = client.get_model_version_by_alias(champ["model"], "champion")
+    assert (str(mv.version), mv.run_id) == (champ["version"], champ["run_id"])
+    assert champ["source"] in ("baseline", "sweep")
+    # the distillation and the sweep are nested under the pipeline's parent run
+    parent = s["mlflow_run_id"]
+    nested = {r.data.tags.get("draftlab.kind") for r in client.search_runs(
+        [client.get_experiment_by_name("draftlab-pipelines").experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")}
+    assert {"distill", "sweep"} <= nested
+    arts = {a.path for a in client.list_artifacts(parent)}
+    assert {"bench.json", "profile.json", "summary.json", "sweep", "report"} <= arts
+    assert client.get_run(parent).info.status == "FINISHED"
+    cmp = s["compare"]
+    assert cmp["greedy_identical"] is True  # the champion's greedy output equals the target's
+    assert {"speedup_vs_ar", "speedup_vs_hf_generate", "speedup_vs_hf_prompt_lookup"} <= set(cmp)
+    report = Path(s["report"]["html"]).read_text()
+    assert "prompt lookup" in report.lower() and "data:image/png;base64," in report
+    text = format_summary(s)
+    assert s["endpoint"]["url"] in text and "curl" in text and "mlflow" in text.lower()
+
+
+def test_the_endpoint_answers_the_openai_client(first):
+    from openai import OpenAI
+
+    _, s = first
+    ep = s["endpoint"]
+    client = OpenAI(base_url=ep["url"], api_key="none")
+    out = client.chat.completions.create(model=ep["model"], messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                         temperature=0)
+    assert out.usage.completion_tokens >= 1
+    assert s["smoke"]["usage"]["completion_tokens"] >= 1
+
+
+def test_a_second_run_skips_every_finished_stage(first):
+    path, s = first
+    again = run_pipeline(path, progress=False)
+    assert {k: v["status"] for k, v in again["stages"].items() if k != "total"} == {
+        **{k: "skipped (done before)" for k in STAGES}, "smoke": "ran"}  # smoke always checks the live endpoint
+    assert again["champion"] == s["champion"] and again["mlflow_run_id"] == s["mlflow_run_id"]
+
+
+def test_after_an_interruption_it_continues_at_the_first_unfinished_stage(first):
+    path, _ = first
+    state = Path(yaml.safe_load(path.read_text())["state_dir"]) / "tiny-quick"
+    (state / "stages" / "compare.json").unlink()  # as if killed during the compare stage
+    (state / "bench.json").unlink()
+    again = run_pipeline(path, progress=False)
+    ran = [k for k, v in again["stages"].items() if v["status"] == "ran" and k != "total"]
+    # compare produced new measurements, so the report (which shows them) is rebuilt too
+    assert ran == ["compare", "smoke", "report"]
+    assert json.loads((state / "bench.json").read_text())["greedy_identical"] is True
+
+
+def test_bad_pipeline_files_name_the_file_and_field(tmp_path):
+    good = yaml.safe_load((ROOT / "jobs/configs/pipeline-tiny-quick.yaml").read_text())
+    good["distill"] = str(ROOT / "jobs/configs/pipeline-tiny-distill.yaml")
+    good["serve"]["config"] = str(ROOT / "serving/smollm2-135m.yaml")
+    cases = {
+        "colour": ({"colour": "red"}, "colour: unknown key"),
+        "distill": ({"distill": "nope.yaml"}, "distill: file not found: nope.yaml"),
+        "override": ({"overrides": {"train": {"lr": -1}}}, "train.lr"),
+        "space": ({"sweep": {"space": {"target.name": ["x"]}}}, "space.target.name"),
+        "tree": ({"sweep": {"trees": ["bushy"]}}, "unknown tree 'bushy'"),
+        "serve": ({"serve": {**good["serve"], "overrides": {"autoscaling.max_replicas": 0}}}, "autoscaling.max_replicas"),
+    }
+    for name, (change, expected) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(good | change))
+        with pytest.raises(ConfigError) as e:
+            load_pipeline(path)
+        assert str(path) in str(e.value) and expected in str(e.value), (name, str(e.value))
+
+
+def test_cli_needs_one_config(capsys):
+    assert main(["pipeline"]) == 2
+    assert "give exactly one of -c PIPELINE.yaml or --quick" in capsys.readouterr().err
