@@ -81,6 +81,9 @@ STAGES = [
 ]
 
 
+BEFORE_SERVE = ("data", "distill", "sweep", "promote", "compare")
+
+
 @dataclass
 class PipelineRun:
     """One execution of a pipeline: where its state lives and what each stage produced."""
@@ -121,6 +124,8 @@ class PipelineRun:
                 return
         if self.progress:
             console.rule(f"[bold]\\[{i}/{len(self.stages)}] {stage.name}")
+        if stage.name in BEFORE_SERVE:
+            self._take_down_endpoint(console)
         t0 = time.perf_counter()
         out = stage.fn(self)
         wall = time.perf_counter() - t0
@@ -130,6 +135,21 @@ class PipelineRun:
         self.parent.log_metrics_now({f"stage_s/{stage.name}": wall}, 0)
         if self.progress:
             console.print(f"[bold green]\\[{i}/{len(self.stages)}] {stage.name}[/]: done in {wall:.0f} s")
+
+    def _take_down_endpoint(self, console) -> None:
+        """An earlier run's endpoint holds CPUs/GPUs a re-running stage may need (on a small
+        machine: all of them); the serve stage deploys it again, with the new champion."""
+        record = self.dir / "stages" / "serve.json"
+        if not record.is_file():
+            return
+        app = json.loads(record.read_text())["outputs"]["app"]
+        from ray import serve
+
+        if stages.serving(self, {"app": app}):
+            if self.progress:
+                console.print(f"taking down the endpoint {app!r} of the earlier run (redeployed at the serve stage)")
+            serve.delete(app)
+        record.unlink()
 
     @property
     def stages(self) -> list[Stage]:
