@@ -155,3 +155,20 @@ def test_check_fails_on_a_tampered_copy_and_regenerate_repairs_it(tmp_path):
     assert regenerate(root=tmp_path) == [DOC]
     assert (tmp_path / DOC).read_text() == (ROOT / DOC).read_text()
     assert regenerate(check=True, root=tmp_path) == []
+
+
+def test_readme_config_index_is_generated_and_checked(tmp_path):
+    from draftlab.docs import BEGIN, END, REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme[readme.index(BEGIN):readme.index(END)]
+    for title, path, _ in MODELS:  # every config kind links to its table in docs/configuration.md
+        assert f"[{title}: `{path.partition(':')[2]}`](docs/configuration.md#" in block
+    stale = readme.replace(block, block.replace("`num_gpus`", "`num_gpu`"))
+    assert stale != readme
+    (tmp_path / "README.md").write_text(stale)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "configuration.md").write_text((REPO_ROOT / "docs" / "configuration.md").read_text())
+    assert regenerate(check=True, root=tmp_path) == ["README.md"]
+    assert regenerate(root=tmp_path) == ["README.md"] and regenerate(check=True, root=tmp_path) == []
+    assert (tmp_path / "README.md").read_text() == readme

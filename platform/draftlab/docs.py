@@ -131,8 +131,33 @@ def config_reference(models: Sequence[tuple[str, str, str]] = MODELS) -> str:
     return "\n".join(out) + "\n"
 
 
+BEGIN, END = "<!-- generated: config-index (draftlab generate) -->", "<!-- end generated -->"
+
+
+def config_index(models: Sequence[tuple[str, str, str]] = MODELS) -> str:
+    """The README's block: per config kind, where it is used and its top-level fields,
+    each linked to its table in docs/configuration.md."""
+    out = ["| config | used for | top-level fields |", "| --- | --- | --- |"]
+    for title, path, used_for in models:
+        model = load_model(path)
+        heading = f"{title}: `{path.partition(':')[2]}`"
+        fields = ", ".join(f"`{name}`" for name in model.model_fields)
+        out.append(f"| [{heading}](docs/configuration.md#{_anchor(heading)}) | {_cell(used_for)} | {fields} |")
+    return "\n".join(out)
+
+
+def readme_with_index(readme: str) -> str:
+    """`readme` with the block between BEGIN and END replaced by `config_index()`."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    return readme[: start + len(BEGIN)] + "\n" + config_index() + "\n" + readme[end:]
+
+
 GENERATED: dict[str, Callable[[], str]] = {"docs/configuration.md": config_reference}
 """Generated files (relative to the repository root) and what renders each."""
+BLOCKS: dict[str, Callable[[str], str]] = {"README.md": readme_with_index}
+"""Files with a generated block: the current text -> the text with the block rendered."""
 
 
 def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
@@ -140,7 +165,10 @@ def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     the changed paths (relative to `root`). `check=True` writes nothing and returns the
     stale ones."""
     changed = []
-    for rel, render in GENERATED.items():
+    renders = {rel: (lambda render=render: render()) for rel, render in GENERATED.items()}
+    renders |= {rel: (lambda rel=rel, fill=fill: fill((Path(root) / rel).read_text()))
+                for rel, fill in BLOCKS.items() if (Path(root) / rel).is_file()}
+    for rel, render in renders.items():
         path, text = Path(root) / rel, render()
         if path.is_file() and path.read_text() == text:
             continue
