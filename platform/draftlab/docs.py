@@ -164,16 +164,9 @@ def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     """Rewrite every generated file under `root` that differs from its rendering; returns
     the changed paths (relative to `root`). `check=True` writes nothing and returns the
     stale ones."""
-    changed = []
+    from draftlab.generated import sync
+
     renders = {rel: (lambda render=render: render()) for rel, render in GENERATED.items()}
     renders |= {rel: (lambda rel=rel, fill=fill: fill((Path(root) / rel).read_text()))
                 for rel, fill in BLOCKS.items() if (Path(root) / rel).is_file()}
-    for rel, render in renders.items():
-        path, text = Path(root) / rel, render()
-        if path.is_file() and path.read_text() == text:
-            continue
-        changed.append(rel)
-        if not check:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    return changed
+    return sync(root, renders, check)

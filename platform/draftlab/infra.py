@@ -127,15 +127,9 @@ def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     `check=True` writes nothing and returns the stale or missing ones."""
     root = Path(root)
     wanted = {output_path(p): p for p in sorted((root / "serving").glob("*.yaml"))}
-    changed = []
-    for rel, source in wanted.items():
-        path, text = root / rel, render_rayservice(source, root)
-        if path.is_file() and path.read_text() == text:
-            continue
-        changed.append(rel)
-        if not check:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+    from draftlab.generated import sync
+
+    changed = sync(root, {rel: (lambda s=source: render_rayservice(s, root)) for rel, source in wanted.items()}, check)
     for path in sorted((root / OUT_DIR).glob("rayservice-*.yaml")):
         rel = path.relative_to(root).as_posix()
         if rel not in wanted and GENERATED in path.read_text():
