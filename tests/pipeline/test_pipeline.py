@@ -143,3 +143,14 @@ def test_bad_pipeline_files_name_the_file_and_field(tmp_path):
 def test_cli_needs_one_config(capsys):
     assert main(["pipeline"]) == 2
     assert "give exactly one of -c PIPELINE.yaml or --quick" in capsys.readouterr().err
+
+
+def test_report_cli_rebuilds_the_report_from_the_pipeline_dir(first, mlflow_uri, tmp_path, capsys):
+    path, s = first
+    state = Path(yaml.safe_load(path.read_text())["state_dir"]) / "tiny-quick"
+    assert main(["report", str(state), "-o", str(tmp_path), "--tracking-uri", mlflow_uri]) == 0
+    assert f"logged to MLflow run {s['mlflow_run_id']}" in capsys.readouterr().out
+    html = (tmp_path / "report.html").read_text()
+    assert s["champion"]["model"] in html and "hf_prompt_lookup" in html
+    assert "| category |" in (tmp_path / "report.md").read_text().lower() or "category" in (tmp_path / "report.md").read_text()
+    assert main(["report", str(tmp_path / "nothing-here")]) == 2
