@@ -1,8 +1,10 @@
 """Every YAML config in the repo validates against its strict model, and errors name fields."""
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from draftlab.config import BenchConfig, ConfigError, DistillConfig, load_yaml
 
@@ -21,10 +23,18 @@ def test_there_are_configs():
 
 @pytest.mark.parametrize("path", JOB_CONFIGS, ids=lambda p: p.name)
 def test_job_config_validates_and_documents_its_command(path):
-    assert path.read_text().startswith("# ray job submit"), "first line must give the command that runs it"
-    script = path.read_text().split("python ", 1)[1].split()[0]
-    assert (ROOT / script).is_file(), f"{path.name} runs {script}, which does not exist"
-    load_yaml(model_for(path), path)
+    text = path.read_text()
+    assert text.startswith(("# ray job submit", "# draftlab ")), "first line must give the command that runs it"
+    assert path.name in text.splitlines()[0] or "--quick" in text.splitlines()[0]
+    if "python " in text:
+        script = text.split("python ", 1)[1].split()[0]
+        assert (ROOT / script).is_file(), f"{path.name} runs {script}, which does not exist"
+    if path.name.startswith("pipeline-") and "\ndistill:" in text:
+        from draftlab.pipeline.config import load_pipeline
+
+        load_pipeline(path)
+    else:
+        load_yaml(model_for(path), path)
 
 
 def test_unknown_and_invalid_fields_name_file_and_field(tmp_path):
@@ -56,3 +66,50 @@ def test_distill_config_errors_name_fields(tmp_path):
     assert "drafter.k: Input should be greater than or equal to 1" in msg
     assert "train.lr:" in msg and "train.epohcs: unknown key" in msg
     assert "scaling.placement_strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'" in msg
+
+
+def _literal_fields(model, prefix=""):
+    """(dotted field, allowed values) of every Literal field, nested sections included."""
+    from typing import Literal, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        for tp in [ann, *get_args(ann)]:
+            if get_origin(tp) is Literal:
+                yield f"{prefix}{name}", get_args(tp), tp is not ann and get_origin(ann) is list
+            elif isinstance(tp, type) and issubclass(tp, BaseModel):
+                yield from _literal_fields(tp, f"{prefix}{name}.")
+
+
+@pytest.mark.parametrize("title,path", [(t, p) for t, p, _ in __import__("draftlab.docs").docs.MODELS])
+def test_every_config_kind_names_file_field_and_allowed_values(tmp_path, title, path):
+    """For each config model: an unknown key (top level and in each section) lists the
+    allowed keys; every Literal field's bad value lists the allowed values; all name the file."""
+    from pydantic import BaseModel
+
+    from draftlab.config import apply_dotted
+    from draftlab.docs import load_model
+
+    model = load_model(path)
+    required = {"name": "x", "distill": "d.yaml", "base": "b.yaml"}
+    base = {k: v for k, v in required.items() if k in model.model_fields and model.model_fields[k].is_required()}
+    sections = [n for n, f in model.model_fields.items() if isinstance(f.annotation, type)
+                and issubclass(f.annotation, BaseModel)]
+    for where in ["", *(f"{s}." for s in sections)]:
+        f = tmp_path / "c.yaml"
+        f.write_text(yaml.safe_dump(apply_dotted(json.loads(json.dumps(base)), {f"{where}colour": "red"})))
+        with pytest.raises(ConfigError) as e:
+            load_yaml(model, f)
+        section = model if not where else model.model_fields[where[:-1]].annotation
+        assert str(f) in str(e.value) and f"{where}colour: unknown key (allowed: " in str(e.value), str(e.value)
+        assert ", ".join(section.model_fields) in str(e.value)
+    for dotted, allowed, in_list in _literal_fields(model):
+        bad = ["no-such-value"] if in_list else "no-such-value"
+        f = tmp_path / "c.yaml"
+        f.write_text(yaml.safe_dump(apply_dotted(json.loads(json.dumps(base)), {dotted: bad})))
+        with pytest.raises(ConfigError) as e:
+            load_yaml(model, f)
+        msg = str(e.value)
+        assert str(f) in msg and f"{dotted}" in msg and all(repr(a) in msg for a in allowed), msg

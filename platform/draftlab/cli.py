@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-tokens", type=int, default=128)
     lt.add_argument("--temperature", type=float, default=0.0)
     lt.add_argument("--no-stream", action="store_true", help="non-streaming requests (no time to first token)")
+    lt.add_argument("--duration", type=float, default=None, help="soak: seconds per level instead of a request count "
+                    "(adds a per-window latency and replica-memory timeline)")
+    lt.add_argument("--window", type=float, default=60.0, help="soak: timeline window in seconds")
     lt.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     pl = sub.add_parser("pipeline", help="the whole loop: data, distill, sweep, promote, compare, serve, smoke, report")
@@ -254,6 +257,7 @@ def _loadtest(a: argparse.Namespace) -> None:
         url=a.url, model=a.model, api_key=a.api_key, concurrency=[int(c) for c in a.concurrency.split(",") if c.strip()],
         requests=a.requests, speculation=[m.strip() for m in a.speculation.split(",") if m.strip()], prompts=a.prompts,
         max_tokens=a.max_tokens, temperature=a.temperature, stream=not a.no_stream, json_out=a.json_out,
+        duration_s=a.duration, window_s=a.window,
     )
     print(json.dumps(run_loadtest(cfg), indent=2))
 

@@ -67,7 +67,7 @@ def _validated_apps(serving_file: Path, doc: dict) -> list[dict]:
             try:
                 ServeArgs.model_validate(app.get("args") or {})
             except ValidationError as e:
-                raise ConfigError(format_validation_error(e, f"{serving_file}: applications[{i}].args")) from None
+                raise ConfigError(format_validation_error(e, f"{serving_file}: applications[{i}].args", ServeArgs)) from None
     return apps
 
 

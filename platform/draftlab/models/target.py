@@ -234,8 +234,9 @@ def load_target(spec: TargetSpec | str) -> Target:
                 )
             try:
                 tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=spec.trust_remote_code)
+                # safetensors only: a pickled checkpoint (pytorch_model.bin) can run code on load
                 model = AutoModelForCausalLM.from_pretrained(
-                    name, dtype=dtype, trust_remote_code=spec.trust_remote_code
+                    name, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=True
                 )
             except OSError as e:
                 raise OSError(

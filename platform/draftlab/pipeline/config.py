@@ -146,7 +146,7 @@ class Pipeline:
                                          promote=False, **cfg.sweep.model_dump(exclude={"overrides"}),
                                          overrides=dotted(cfg.overrides) | dotted(cfg.sweep.overrides))
             except ValidationError as e:
-                raise ConfigError(format_validation_error(e, f"{source}: sweep")) from None
+                raise ConfigError(format_validation_error(e, f"{source}: sweep", SweepConfig)) from None
         self.serve_file = _find(cfg.serve.config, source, "serve.config")
 
     def sweep_base(self, parent_run_id: str | None) -> dict:
@@ -165,7 +165,7 @@ class Pipeline:
         try:
             spec["args"] = ServeArgs.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, f"{self.source}: serve.overrides")) from None
+            raise ConfigError(format_validation_error(e, f"{self.source}: serve.overrides", ServeArgs)) from None
         return spec | {k: v for k, v in {"host": self.cfg.serve.host, "port": self.cfg.serve.port}.items() if v is not None}
 
 

@@ -40,7 +40,7 @@ def load_serve_config(path: str | Path) -> dict:
     try:
         args = ServeArgs.model_validate(app.get("args") or {})
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, f"{path}: applications[0].args")) from None
+        raise ConfigError(format_validation_error(e, f"{path}: applications[0].args", ServeArgs)) from None
     module, attr = import_path.split(":", 1)
     try:
         builder = getattr(importlib.import_module(module), attr)
@@ -92,7 +92,7 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     if progress:
         args = spec["args"]
         print(f"ready in {out['ready_s']} s: {out['url']} serving {info['model']!r}\n"
-              + example_curl(url, info["model"], bool(args.api_keys or args.api_keys_env)), flush=True)
+              + example_curl(url, info["model"], args.auth_enabled), flush=True)
     if blocking if blocking is not None else owns:
         if progress:
             print("serving in the foreground: Ctrl-C stops it (`draftlab serve --status` from another shell)")

@@ -5,6 +5,11 @@ compared on the same machine state), C clients each send a chat completion, wait
 to finish and send the next, until the level's request count is done. Reported per level:
 requests/s, output tokens/s, p50/p95 time to first token and latency, tau (tokens per
 target forward, from the `usage.speculative` the server returns) and errors.
+
+With `duration_s` (a soak) each level runs for that long instead, and the report adds a
+timeline per `window_s`: requests, errors, latency p50/p95 and the resident memory of the
+Serve replica processes on this machine (flat memory and stable latency = no leak, no
+degradation).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Outcome:
     completion_tokens: int = 0
     spec: dict | None = None
     error: str | None = None
+    end_s: float = 0.0  # when it finished (perf_counter)
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -74,19 +80,71 @@ async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, text:
     return Outcome(True, time.perf_counter() - t0, ttft, usage["completion_tokens"], usage.get("speculative"))
 
 
-async def _level(client, cfg: LoadtestConfig, model: str, texts: list[str], concurrency: int, mode: str) -> dict:
+def replica_rss_mb() -> dict[str, float]:
+    """Resident memory of this machine's Ray Serve replica processes, by pid."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
+        title = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
+        if "ServeReplica:" in title and p.info["memory_info"]:
+            out[str(p.info["pid"])] = round(p.info["memory_info"].rss / 2**20, 1)
+    return out
+
+
+async def _level(client, cfg: LoadtestConfig, model: str, texts: list[str], concurrency: int, mode: str,
+                 progress: bool = False) -> dict:
     n = cfg.requests or max(8, 2 * concurrency)
-    todo = iter(range(n))
+    todo = iter(range(n)) if cfg.duration_s is None else itertools.count()
     prompts = itertools.cycle(texts)
     outcomes: list[Outcome] = []
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.duration_s if cfg.duration_s else float("inf")
+    rss: list[tuple[float, dict[str, float]]] = [(0.0, replica_rss_mb())]
 
     async def worker():
         for _ in todo:
-            outcomes.append(await _one(client, cfg, model, next(prompts), mode))
+            if time.perf_counter() >= deadline:
+                return
+            outcome = await _one(client, cfg, model, next(prompts), mode)
+            outcome.end_s = time.perf_counter()
+            outcomes.append(outcome)
 
-    t0 = time.perf_counter()
+    async def sample_memory():
+        while True:
+            await asyncio.sleep(cfg.window_s)
+            rss.append((time.perf_counter() - t0, replica_rss_mb()))
+            if progress:
+                done = [o for o in outcomes if o.end_s >= t0 + rss[-1][0] - cfg.window_s]
+                print(f"  {rss[-1][0]:.0f} s: {len(done)} requests in the last window, "
+                      f"{sum(not o.ok for o in done)} errors, replica RSS {sum(rss[-1][1].values()):.0f} MiB", flush=True)
+
+    sampler = asyncio.create_task(sample_memory()) if cfg.duration_s else None
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return summarise(outcomes, time.perf_counter() - t0) | {"concurrency": concurrency, "speculation": mode}
+    wall = time.perf_counter() - t0
+    out = summarise(outcomes, wall) | {"concurrency": concurrency, "speculation": mode}
+    if sampler:
+        sampler.cancel()
+        rss.append((wall, replica_rss_mb()))
+        out |= {"rss_mb_start": rss[0][1], "rss_mb_end": rss[-1][1], "timeline": timeline(outcomes, t0, cfg.window_s, rss)}
+    return out
+
+
+def timeline(outcomes: list[Outcome], t0: float, window_s: float, rss: list[tuple[float, dict]]) -> list[dict]:
+    """Per window (by finish time): requests, errors, latency p50/p95, replica RSS (MiB, total)
+    at the sample closest to the window's end."""
+    windows: dict[int, list[Outcome]] = {}
+    for o in outcomes:
+        windows.setdefault(int((o.end_s - t0) // window_s), []).append(o)
+    rows = []
+    for w, items in sorted(windows.items()):
+        lats = [o.latency_s for o in items if o.ok]
+        end = (w + 1) * window_s
+        mem = min(rss, key=lambda r: abs(r[0] - end))[1]
+        rows.append({"window_end_s": end, "requests": len(items), "errors": sum(not o.ok for o in items),
+                     "latency_p50_s": _percentile(lats, 50), "latency_p95_s": _percentile(lats, 95),
+                     "replica_rss_mb": round(sum(mem.values()), 1)})
+    return rows
 
 
 def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
@@ -123,7 +181,7 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
         levels = []
         for c in cfg.concurrency:
             for mode in cfg.speculation:
-                res = await _level(client, cfg, model, texts, c, mode)
+                res = await _level(client, cfg, model, texts, c, mode, progress)
                 levels.append(res)
                 if progress:
                     print(format_row(res), flush=True)

@@ -160,7 +160,7 @@ def trial_config(base: dict, params: dict[str, Any], name: str | None = None, wh
     try:
         return DistillConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, where)) from None
+        raise ConfigError(format_validation_error(e, where, DistillConfig)) from None
 
 
 def training_key(cfg: DistillConfig) -> str:
