@@ -123,14 +123,32 @@ class ProfileConfig(StrictModel):
     """Write the JSON report here."""
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    """One line per problem: `source: field.path: message (allowed: ...)`."""
+def _section(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
+    """The (nested) model that the path `loc` points into, if it is a model."""
+    from typing import get_args
+
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int) or part not in model.model_fields:
+            continue  # a list index / dict key: stay on the item type found below
+        ann = model.model_fields[part].annotation
+        candidates = [ann, *get_args(ann)]
+        candidates += [a for c in list(candidates) for a in get_args(c)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model
+
+
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
+    """One line per problem: `source: field.path: message`; an unknown key lists the keys
+    its section allows (when `model` is given), a bad choice the allowed values."""
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            section = _section(model, e["loc"][:-1])
+            msg = "unknown key" + (f" (allowed: {', '.join(section.model_fields)})" if section else "")
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
@@ -187,7 +205,7 @@ def load_yaml(model: type[M], path: str | Path, overrides: dict | None = None) -
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(path))) from None
+        raise ConfigError(format_validation_error(e, str(path), model)) from None
 
 
 # --- distillation ([2/6]) ---------------------------------------------------------------
@@ -369,6 +387,10 @@ class TrackingSpec(StrictModel):
     parent_run_id: str | None = None
     """Nest this run (a sweep: its parent run) under that MLflow run; `draftlab pipeline`
     sets it to the pipeline's run."""
+    max_outage_s: float = Field(300.0, gt=0)
+    """How long training goes on while the tracking server is unreachable: metrics stay
+    buffered (and ride in each checkpoint, so a crash loses none) and are delivered when it
+    returns; past this many seconds of outage the run fails, naming the URI and this limit."""
 
 
 class BenchSpec(StrictModel):
@@ -488,6 +510,9 @@ class ServeArgs(StrictModel):
     api_keys_env: str | None = None
     """Also accept the comma-separated keys in this environment variable (keeps secrets out
     of config files)."""
+    api_keys_file: str | None = None
+    """Also accept the keys in this file, one per line (`#` comments allowed), read by each
+    replica at start (a mounted Kubernetes secret, say)."""
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     """Replicas of the engine deployment."""
     max_ongoing_requests: int = Field(32, ge=1)
@@ -500,13 +525,40 @@ class ServeArgs(StrictModel):
     """GPUs per engine replica (1 on a GPU node)."""
     health_check_timeout_s: float = Field(60.0, gt=0)
     """A replica whose model check takes longer is restarted."""
+    health_check_period_s: float = Field(10.0, gt=0)
+    """How often Serve checks each engine replica: a crashed one is noticed at the next
+    check and replaced, so this bounds the outage after a crash. An idle replica's check
+    is a one-token generation."""
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     """Running requests get this long to finish when a replica stops."""
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    """Request bodies over this many bytes get 413, checked from Content-Length before the
+    body is read (and while reading a chunked one). Raise it for long-context targets: a
+    prompt of N token ids takes about 7 N bytes."""
+    queue_timeout_s: float = Field(60.0, gt=0)
+    """A request that no engine replica takes within this long (all busy, or the only one
+    being replaced) gets 503 with `Retry-After` instead of waiting on. Raise it above the
+    model's load time with `autoscaling.min_replicas: 0`."""
+    retry_after_s: int = Field(2, ge=0)
+    """`Retry-After` seconds of 503 answers (replica lost or draining, queues full): about
+    how long Serve takes to route around a lost replica."""
 
     def accepted_keys(self) -> list[str]:
-        """`api_keys` plus those in `$api_keys_env` (read where this runs: the replica)."""
+        """`api_keys` plus those in `$api_keys_env` and `api_keys_file` (read where this runs:
+        the replica). A key file that cannot be read is an error, never an open endpoint."""
         env = os.environ.get(self.api_keys_env, "") if self.api_keys_env else ""
-        return list(self.api_keys) + [k.strip() for k in env.split(",") if k.strip()]
+        keys = list(self.api_keys) + [k.strip() for k in env.split(",") if k.strip()]
+        if self.api_keys_file:
+            try:
+                lines = Path(self.api_keys_file).expanduser().read_text().splitlines()
+            except OSError as e:
+                raise ConfigError(f"api_keys_file {self.api_keys_file!r} cannot be read: {e.strerror}") from None
+            keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        return keys
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys or self.api_keys_env or self.api_keys_file)
 
 
 class LoadtestConfig(StrictModel):
@@ -537,5 +589,10 @@ class LoadtestConfig(StrictModel):
     """Per-request timeout."""
     warmup: int = Field(1, ge=0)
     """Untimed requests before the first level."""
+    duration_s: float | None = Field(None, gt=0)
+    """Soak: run each level for this long instead of a request count, and report latency
+    and the serving processes' memory (RSS, when they run on this machine) per window."""
+    window_s: float = Field(60.0, gt=0)
+    """Soak: the window of the per-window latency / memory timeline."""
     json_out: str | None = None
     """Write the JSON report here."""

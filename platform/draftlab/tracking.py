@@ -8,7 +8,8 @@ or Tune trials in one process never write into each other's runs).
     tracker.start_or_resume("distill-smollm2-k4", tags={"draftlab.job": "distill"})
     tracker.log_params(cfg.model_dump())
     tracker.buffer_metrics({"loss": loss}, step)        # every step, in memory
-    tracker.flush()                                     # just before a checkpoint is committed
+    tracker.try_flush()                                 # before a checkpoint: never waits out an outage
+    save(..., tracking=tracker.snapshot())              # what MLflow has not got yet rides in the checkpoint
     tracker.end("FINISHED")
 
 `mlflow` is imported inside functions: `import mlflow` costs ~1.2 s and nothing here
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import threading
@@ -42,6 +44,8 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 REDACTED = "***"
 
+logger = logging.getLogger(__name__)
+
 # MLflow error codes that retrying cannot fix (everything else, e.g. INTERNAL_ERROR for a
 # refused connection or TEMPORARILY_UNAVAILABLE for a locked sqlite file, is retried).
 _PERMANENT_ERRORS = frozenset({
@@ -51,14 +55,15 @@ _PERMANENT_ERRORS = frozenset({
 })
 # A dotted-key component "looks like a credential" when it is, or ends in, one of these
 # words (`hf_token`, `wandb.api_key`, `clientSecret`), but not `max_new_tokens`/`tokenizer`.
-_SECRET_RE = re.compile(r"(?:^|_)(?:key|apikey|token|secret|password|passwd|credentials?)$")
+_SECRET_RE = re.compile(r"(?:^|_)(?:key|api_?keys|apikey|token|secrets?|password|passwd|credentials?)$")
 # Tokenizer special tokens are not secrets.
 _NOT_SECRET = frozenset({"pad_token", "eos_token", "bos_token", "unk_token", "sep_token",
                          "cls_token", "mask_token"})
 
 
 class TrackingUnavailable(RuntimeError):
-    """The tracking backend stayed unreachable for longer than `max_buffer_seconds`."""
+    """The tracking backend stayed unreachable for longer than a flush's `max_buffer_seconds`
+    or, across flush attempts, than `max_outage_s`."""
 
 
 class ParamConflictError(ValueError):
@@ -226,20 +231,39 @@ class Tracker:
     `flush()` retries with exponential backoff while the backend is unreachable, for at most
     `max_buffer_seconds`; then it raises `TrackingUnavailable` and keeps the buffer, so a
     later `flush()` still delivers everything. It never blocks longer than that budget.
+
+    Training must not wait out an outage, so it uses the non-blocking side instead:
+    `try_flush()` makes one attempt bounded by `attempt_timeout_s` and keeps what it could
+    not send; `poll()` retries every `retry_every_s` while the backend is down; `snapshot()`
+    / `restore()` carry the undelivered metrics (and the outage clock) through a checkpoint,
+    so a crash during an outage loses none (a re-sent record that had in fact arrived is an
+    exact duplicate, which MLflow's SQL store drops). Once the backend has been unreachable
+    for longer than `max_outage_s`, `try_flush()` raises `TrackingUnavailable` naming the URI
+    and the limit: the run fails instead of training on untracked. `drain()` waits for
+    delivery, within that same limit.
     """
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = "draftlab",
                  run_id: str | None = None, enabled: bool = True,
-                 max_buffer_seconds: float = 120.0):
+                 max_buffer_seconds: float = 120.0, max_outage_s: float = 300.0,
+                 attempt_timeout_s: float = 5.0, retry_every_s: float = 5.0):
         self.enabled = enabled
         self.experiment = experiment
         self.run_id = run_id
         self.max_buffer_seconds = max_buffer_seconds
+        self.max_outage_s = max_outage_s
+        self.attempt_timeout_s = attempt_timeout_s
+        self.retry_every_s = retry_every_s
         self.tracking_uri = resolve_tracking_uri(tracking_uri) if enabled else tracking_uri
         self.experiment_id: str | None = None
         self._client = None
         self._buffer: list[tuple[str, float, int, int]] = []  # (key, value, timestamp_ms, step)
         self._logged_through = -1  # see resume_after()
+        self._resume_key: str | None = None  # resume_after() not resolved yet (backend was down)
+        self._exempt = 0  # leading buffer records restored from a checkpoint: never resume-filtered
+        self._down_since: float | None = None  # wall clock of the current outage's first failure
+        self._last_attempt = float("-inf")  # monotonic time of the last try_flush()
+        self._last_error: BaseException | None = None
         self._lock = threading.Lock()
 
     # -- plumbing
@@ -318,10 +342,19 @@ class Tracker:
             raise ValueError(f"status must be one of {END_STATUSES}, got {status!r}")
         if status == "FINISHED":
             self.flush()
-        else:
-            with self._lock:
-                self._buffer.clear()
-        self.client.set_terminated(self.run_id, status=status)
+            self.client.set_terminated(self.run_id, status=status)
+            return
+        with self._lock:
+            self._buffer.clear()
+        # A failing run must fail now, not after MLflow's minutes of retries on a dead server.
+        try:
+            if _is_http(self.tracking_uri) and not _server_reachable(self.tracking_uri, self.attempt_timeout_s):
+                raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+            _call_with_timeout(lambda: self.client.set_terminated(self.run_id, status=status), self.attempt_timeout_s)
+        except Exception as e:
+            if not (isinstance(e, _Deadline) or _is_transient(e)):
+                raise
+            logger.warning("could not mark MLflow run %s as %s at %s: %s", self.run_id, status, self.tracking_uri, e)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -362,16 +395,45 @@ class Tracker:
 
     # -- metrics
 
-    def resume_after(self, key: str) -> int:
-        """After a restart: ignore metrics at steps already logged for `key` (returns that step)."""
+    def resume_after(self, key: str) -> int | None:
+        """After a restart: ignore metrics at steps already logged for `key` (returns that step).
+
+        If the backend does not answer within `attempt_timeout_s`, the step is looked up by
+        the first delivery that reaches it instead (returns None), and re-run metrics buffered
+        meanwhile are filtered then. Records `restore()`d from a checkpoint are never dropped.
+        """
         if not self.enabled:
             return 0
-        history = self.client.get_metric_history(self._require_run(), key)
+        with self._lock:
+            self._resume_key = key
+            try:
+                self._resolve_resume(self._require_run(), time.monotonic() + self.attempt_timeout_s)
+            except Exception as e:
+                if not (isinstance(e, _Deadline) or _is_transient(e)):
+                    raise
+                logger.warning("MLflow at %s does not answer (%s); the last logged step is looked up later",
+                               self.tracking_uri, e)
+                return None
+            return self._logged_through
+
+    def _resolve_resume(self, run_id: str, deadline: float) -> None:
+        key = self._resume_key
+        if key is None:
+            return
+        if _is_http(self.tracking_uri) and not _server_reachable(
+                self.tracking_uri, timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+        history = _call_with_timeout(lambda: self.client.get_metric_history(run_id, key), deadline - time.monotonic())
         self._logged_through = max((m.step for m in history), default=0)
-        return self._logged_through
+        keep, rest = self._buffer[: self._exempt], self._buffer[self._exempt :]
+        self._buffer = keep + [r for r in rest if r[3] > self._logged_through]
+        self._resume_key, self._exempt = None, 0
 
     def buffer_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Remember `metrics` for `step` (timestamped now); nothing is sent until `flush()`."""
+        """Remember `metrics` for `step` (timestamped now); nothing is sent until a flush.
+
+        Buffer a step's metrics completely before any flush: a step is delivered whole or not
+        at all (batches never split one), which `resume_after` relies on."""
         if not self.enabled or step <= self._logged_through:
             return
         ts = _now_ms()
@@ -397,38 +459,130 @@ class Tracker:
             self._flush_locked(self._require_run())
 
     def _flush_locked(self, run_id: str) -> None:
-        from mlflow.entities import Metric
-
         deadline = time.monotonic() + self.max_buffer_seconds
-        delay, attempts, last_error = 0.5, 0, None
-        while self._buffer:
+        delay, attempts = 0.5, 0
+        while True:
+            attempts += 1
+            try:
+                self._send(run_id, deadline)
+                self._up()
+                return
+            except Exception as e:
+                if not (isinstance(e, _Deadline) or _is_transient(e)):
+                    raise
+                self._down(e)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TrackingUnavailable(
                     f"MLflow at {self.tracking_uri} unreachable for {self.max_buffer_seconds:g} s "
                     f"({attempts} attempts); {len(self._buffer)} metric values stay buffered "
-                    f"and will be sent by the next flush(). Last error: {last_error}")
-            chunk = self._buffer[:MAX_METRICS_PER_BATCH]
-            attempts += 1
-            try:
-                if _is_http(self.tracking_uri) and not _server_reachable(
-                        self.tracking_uri, timeout=min(5.0, remaining)):
-                    raise ConnectionError(f"{self.tracking_uri}/health does not answer")
-                batch = [Metric(k, v, ts, s) for k, v, ts, s in chunk]
-                _call_with_timeout(
-                    lambda b=batch: self.client.log_batch(run_id, metrics=b, synchronous=True),
-                    deadline - time.monotonic())
-            except _Deadline as e:
-                last_error = e
-                continue  # the loop head raises TrackingUnavailable
-            except Exception as e:
-                if not _is_transient(e):
-                    raise
-                last_error = e
-                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-                delay = min(delay * 2, 10.0)
-                continue
+                    f"and will be sent by the next flush(). Last error: {self._last_error}")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 10.0)
+
+    def _send(self, run_id: str, deadline: float) -> None:
+        """One delivery attempt of the whole buffer before `deadline` (monotonic); raises on
+        failure, keeping what was not delivered."""
+        from mlflow.entities import Metric
+
+        if _is_http(self.tracking_uri) and not _server_reachable(
+                self.tracking_uri, timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+        self._resolve_resume(run_id, deadline)
+        while self._buffer:
+            chunk = self._next_chunk()
+            batch = [Metric(k, v, ts, s) for k, v, ts, s in chunk]
+            _call_with_timeout(lambda b=batch: self.client.log_batch(run_id, metrics=b, synchronous=True),
+                               deadline - time.monotonic())
             del self._buffer[: len(chunk)]  # delivered: a later retry only sends the rest
+
+    def _next_chunk(self) -> list[tuple[str, float, int, int]]:
+        """The next <= 1000 records, cut at a step boundary (a step is delivered whole)."""
+        n = min(len(self._buffer), MAX_METRICS_PER_BATCH)
+        if n < len(self._buffer):
+            cut = n
+            while cut > 0 and self._buffer[cut - 1][3] == self._buffer[cut][3]:
+                cut -= 1
+            n = cut or n
+        return self._buffer[:n]
+
+    def _up(self) -> None:
+        self._down_since, self._last_error = None, None
+
+    def _down(self, error: BaseException) -> None:
+        if self._down_since is None:
+            self._down_since = time.time()
+        self._last_error = error
+
+    @property
+    def outage_seconds(self) -> float:
+        """How long delivery has been failing (0 while the backend answers)."""
+        return 0.0 if self._down_since is None else max(0.0, time.time() - self._down_since)
+
+    def _check_outage(self) -> None:
+        if self.outage_seconds > self.max_outage_s:
+            raise TrackingUnavailable(
+                f"MLflow at {self.tracking_uri} has been unreachable for {self.outage_seconds:.0f} s, "
+                f"longer than tracking.max_outage_s = {self.max_outage_s:g} s: failing the run rather than "
+                f"training on untracked. {len(self._buffer)} metric values were not delivered; the latest "
+                f"checkpoint keeps those up to its step, and a resumed run sends them. "
+                f"Last error: {self._last_error}")
+
+    def try_flush(self) -> bool:
+        """One delivery attempt bounded by `attempt_timeout_s`, for callers that must not wait
+        out an outage: True when nothing is left buffered. Undelivered metrics stay buffered
+        (save `snapshot()` with a checkpoint); past `max_outage_s` of outage it raises
+        `TrackingUnavailable`."""
+        if not self.enabled:
+            return True
+        with self._lock:
+            if not self._buffer:
+                return True
+            self._last_attempt = time.monotonic()
+            try:
+                self._send(self._require_run(), time.monotonic() + self.attempt_timeout_s)
+            except Exception as e:
+                if not (isinstance(e, _Deadline) or _is_transient(e)):
+                    raise
+                self._down(e)
+                self._check_outage()
+                return False
+            self._up()
+            return True
+
+    def poll(self) -> None:
+        """Cheap, call it often (every training step): during an outage, retries delivery every
+        `retry_every_s`, so metrics go out soon after the backend returns and an outage past
+        `max_outage_s` fails promptly."""
+        if self.enabled and self._down_since is not None and time.monotonic() - self._last_attempt >= self.retry_every_s:
+            self.try_flush()
+
+    def drain(self) -> None:
+        """Deliver everything buffered, waiting through an outage for at most `max_outage_s`
+        (counted from its start; then `TrackingUnavailable`)."""
+        delay = 0.5
+        while not self.try_flush():
+            time.sleep(delay)
+            delay = min(delay * 2, self.retry_every_s)
+
+    def snapshot(self) -> dict | None:
+        """The undelivered metrics and the outage clock, JSON-able, for a checkpoint's state."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            exempt = self._exempt if self._resume_key is not None else len(self._buffer)
+            return {"pending": [list(r) for r in self._buffer], "exempt": exempt, "down_since": self._down_since}
+
+    def restore(self, snapshot: Mapping[str, Any] | None) -> None:
+        """Take back a `snapshot()` from the checkpoint a restarted run resumes from (before
+        `resume_after`): its metrics are sent by the next flush, its outage clock goes on."""
+        if not self.enabled or not snapshot:
+            return
+        with self._lock:
+            pending = [(str(k), float(v), int(ts), int(s)) for k, v, ts, s in snapshot.get("pending", [])]
+            self._buffer[:0] = pending
+            self._exempt = int(snapshot.get("exempt", len(pending)))
+            self._down_since = snapshot.get("down_since")
 
     def log_metrics_now(self, metrics: Mapping[str, float], step: int) -> None:
         """`buffer_metrics` + `flush` (evaluation results, bench numbers)."""
@@ -437,12 +591,28 @@ class Tracker:
 
     # -- artifacts and models
 
+    def _await_backend(self) -> None:
+        """Before an unbuffered call: wait out an outage within `max_outage_s` (a dead server
+        otherwise costs MLflow's own minutes of retries per call, then fails anyway)."""
+        if not _is_http(self.tracking_uri):
+            return
+        delay = 0.5
+        while not _server_reachable(self.tracking_uri, timeout=self.attempt_timeout_s):
+            self._down(ConnectionError(f"{self.tracking_uri}/health does not answer"))
+            self._check_outage()
+            time.sleep(delay)
+            delay = min(delay * 2, self.retry_every_s)
+        if not self._buffer:
+            self._up()
+
     def log_artifacts(self, local_dir: str | os.PathLike, artifact_path: str | None = None) -> None:
         if self.enabled:
+            self._await_backend()
             self.client.log_artifacts(self._require_run(), str(local_dir), artifact_path)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.enabled:
+            self._await_backend()
             self.client.log_text(self._require_run(), text, artifact_file)
 
     def log_dict(self, d: Mapping[str, Any], artifact_file: str) -> None:

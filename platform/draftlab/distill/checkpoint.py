@@ -3,25 +3,41 @@
 Layout of a checkpoint directory:
     drafter/config.json, drafter/model.safetensors   the drafter (loadable as is)
     optimizer.safetensors                             optimizer tensors, keys "<param>/<name>"
-    state.json                                        step, data position, optimizer scalars
-    MANIFEST.json                                     sha256 of every file above, written last
-A checkpoint without a manifest, or whose files do not match it, is refused: a save that
-was killed half-way can never be loaded.
+    state.json                                        step, data position, optimizer scalars,
+                                                      undelivered MLflow metrics
+    MANIFEST.json                                     size and sha256 of every file above
+
+Saves are atomic: everything is written into a hidden `.<name>.partial-*` sibling, each file
+fsynced, MANIFEST.json last, and one rename publishes the directory. A save killed at any
+point leaves no `<name>` (only a partial sibling, never loaded) or the complete checkpoint.
+Loading verifies the manifest first, so a checkpoint damaged later (a partial upload, a
+truncated copy) is refused with a `CheckpointError` naming the file, never loaded;
+`restore_checkpoint` then falls back to the run's newest older checkpoint that verifies.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import posixpath
+import shutil
+import tempfile
 from pathlib import Path
 
+import ray.train
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target
 
 FILES = ("drafter/config.json", "drafter/model.safetensors", "optimizer.safetensors", "state.json")
+MANIFEST = "MANIFEST.json"
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -36,47 +52,124 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(path: str | Path, drafter: DrafterNet, optimizer: torch.optim.Optimizer, state: dict) -> Path:
+    """Write a checkpoint to `path` (absent or an empty directory) atomically; returns `path`."""
     path = Path(path)
-    drafter.save(path / "drafter")
-    opt = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for pid, pstate in opt["state"].items():
-        for key, val in pstate.items():
-            if isinstance(val, torch.Tensor):
-                tensors[f"{pid}/{key}"] = val.detach().to("cpu").contiguous()
-            else:
-                scalars[f"{pid}/{key}"] = val
-    save_file(tensors, str(path / "optimizer.safetensors"))
-    doc = {"trainer": state, "param_groups": opt["param_groups"], "optimizer_scalars": scalars}
-    (path / "state.json").write_text(json.dumps(doc, indent=2))
-    manifest = {f: _sha256(path / f) for f in FILES}
-    (path / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))  # last: marks completeness
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(f"checkpoint {path} already exists; refusing to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        drafter.save(tmp / "drafter")
+        opt = optimizer.state_dict()
+        tensors, scalars = {}, {}
+        for pid, pstate in opt["state"].items():
+            for key, val in pstate.items():
+                if isinstance(val, torch.Tensor):
+                    tensors[f"{pid}/{key}"] = val.detach().to("cpu").contiguous()
+                else:
+                    scalars[f"{pid}/{key}"] = val
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        doc = {"trainer": state, "param_groups": opt["param_groups"], "optimizer_scalars": scalars}
+        (tmp / "state.json").write_text(json.dumps(doc, indent=2))
+        for f in FILES:
+            _fsync(tmp / f)
+        manifest = {"files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: marks completeness
+        for p in (tmp / MANIFEST, tmp / "drafter", tmp):
+            _fsync(p)
+        os.replace(tmp, path)  # the publish: atomic, and allowed onto an empty directory
+        _fsync(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
 def verify_checkpoint(path: str | Path) -> None:
+    """Raise `CheckpointError` naming the problem unless `path` is a complete checkpoint."""
     path = Path(path)
-    man = path / "MANIFEST.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (a save that never completed?)")
+    man = path / MANIFEST
     if not man.is_file():
-        raise CheckpointError(f"checkpoint {path} has no MANIFEST.json (incomplete save); refusing to load it")
-    expected = json.loads(man.read_text())
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete save); refusing to load it")
+    try:
+        doc = json.loads(man.read_text())
+        # {"files": {name: {"bytes", "sha256"}}}; checkpoints before sizes were recorded: {name: sha256}
+        expected = {f: (e if isinstance(e, dict) else {"sha256": e}) for f, e in doc.get("files", doc).items()}
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e}); refusing to load it") from None
     for f in FILES:
-        if not (path / f).is_file() or _sha256(path / f) != expected.get(f):
-            raise CheckpointError(f"checkpoint {path}: {f} is missing or does not match its manifest")
+        file, want = path / f, expected.get(f)
+        if want is None:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {f}")
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: {f} is missing")
+        size = file.stat().st_size
+        if "bytes" in want and size != want["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {f} is truncated or padded ({size} bytes, manifest says {want['bytes']})")
+        if _sha256(file) != want.get("sha256"):
+            raise CheckpointError(f"checkpoint {path}: {f} does not match its sha256 in {MANIFEST} (corrupt)")
 
 
 def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
     """Verify, then load (drafter, optimizer built by `optimizer_factory(drafter)`, trainer state)."""
     path = Path(path)
     verify_checkpoint(path)
-    drafter = load_drafter(path / "drafter", target).float().train()  # float32 master weights
-    optimizer = optimizer_factory(drafter)
-    doc = json.loads((path / "state.json").read_text())
-    tensors = load_file(str(path / "optimizer.safetensors"), device=str(target.device))
-    per_param: dict[int, dict] = {}
-    for key, val in list(tensors.items()) + list(doc["optimizer_scalars"].items()):
-        pid, name = key.split("/", 1)
-        per_param.setdefault(int(pid), {})[name] = val
-    optimizer.load_state_dict({"state": per_param, "param_groups": doc["param_groups"]})
+    try:
+        drafter = load_drafter(path / "drafter", target).float().train()  # float32 master weights
+        optimizer = optimizer_factory(drafter)
+        doc = json.loads((path / "state.json").read_text())
+        tensors = load_file(str(path / "optimizer.safetensors"), device=str(target.device))
+        per_param: dict[int, dict] = {}
+        for key, val in list(tensors.items()) + list(doc["optimizer_scalars"].items()):
+            pid, name = key.split("/", 1)
+            per_param.setdefault(int(pid), {})[name] = val
+        optimizer.load_state_dict({"state": per_param, "param_groups": doc["param_groups"]})
+    except (SafetensorError, ValueError, KeyError) as e:  # verified but unusable: never train on it
+        raise CheckpointError(f"checkpoint {path} is complete but cannot be loaded: {e}") from e
     return drafter, optimizer, doc["trainer"]
+
+
+def _older_checkpoints(ckpt: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """The run's other checkpoints older than `ckpt`, newest first (Ray names them
+    `checkpoint_<date>`, so names sort by age; newer ones were never committed)."""
+    from pyarrow.fs import FileSelector, FileType
+
+    parent, name = posixpath.split(ckpt.path.rstrip("/"))
+    try:
+        infos = ckpt.filesystem.get_file_info(FileSelector(parent))
+    except OSError:
+        return []
+    older = [i.path for i in infos if i.type == FileType.Directory and i.base_name.startswith("checkpoint_")
+             and i.base_name < name]
+    return [ray.train.Checkpoint(path, filesystem=ckpt.filesystem) for path in sorted(older, reverse=True)]
+
+
+def restore_checkpoint(ckpt: ray.train.Checkpoint, target: Target, make_optimizer) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
+    """Load Ray's latest checkpoint; if it fails verification (a partial upload, a damaged
+    file), the newest older one of the run that verifies. Never loads an unverified one:
+    with none left it raises `CheckpointError` listing what was wrong with each."""
+    problems = []
+    for candidate in [ckpt, *_older_checkpoints(ckpt)]:
+        try:
+            with candidate.as_directory() as d:
+                loaded = load_checkpoint(d, target, make_optimizer)
+        except CheckpointError as e:
+            problems.append(str(e))
+            logger.warning("skipping unusable checkpoint %s: %s", candidate.path, e)
+            continue
+        if problems:
+            logger.warning("resuming from the older checkpoint %s (newer ones are unusable)", candidate.path)
+        return loaded
+    raise CheckpointError(f"no usable checkpoint to resume from (latest: {ckpt.path}): " + " | ".join(problems))

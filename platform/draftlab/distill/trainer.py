@@ -19,7 +19,13 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from draftlab.config import DistillConfig
 from draftlab.distill.worker import train_fn_per_worker
-from draftlab.tracking import Tracker, drafter_model_name, parent_tags, resolve_tracking_uri
+from draftlab.tracking import (
+    Tracker,
+    TrackingUnavailable,
+    drafter_model_name,
+    parent_tags,
+    resolve_tracking_uri,
+)
 
 
 def storage_uri(path: str) -> str:
@@ -89,7 +95,9 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
     data_seconds = time.perf_counter() - t0
 
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
-    tracker = Tracker(tracking_uri=tracking_uri, experiment=cfg.tracking.experiment, run_id=None, enabled=True)
+    limit = cfg.tracking.max_outage_s
+    tracker = Tracker(tracking_uri=tracking_uri, experiment=cfg.tracking.experiment, run_id=None, enabled=True,
+                      max_buffer_seconds=limit, max_outage_s=limit)
     run_id = tracker.start_or_resume(
         cfg.name, tags={"draftlab.kind": "distill", "draftlab.target": cfg.target.name, "draftlab.family": cfg.drafter.family,
                         **parent_tags(cfg.tracking.parent_run_id)}
@@ -99,8 +107,13 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
                         "data.eval_samples": len(data["eval"])})
     try:
         result = build_trainer(cfg, str(data_path), run_id, tracking_uri).fit()
-    except Exception:
+    except Exception as e:
         tracker.end("FAILED")
+        # Ray's error carries the workers' tracebacks (cut to a snippet); an MLflow outage past
+        # `tracking.max_outage_s` is worth its own plain message.
+        lost = [f for f in getattr(e, "worker_failures", {}).values() if isinstance(f, TrackingUnavailable)]
+        if lost:
+            raise TrackingUnavailable(f"distillation {cfg.name!r} stopped: {lost[0]}") from e
         raise
     summary = dict(result.return_value or {})
     summary |= {"data_seconds": data_seconds, "data_path": str(data_path), "mlflow_run_id": run_id,

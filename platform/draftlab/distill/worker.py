@@ -3,8 +3,9 @@
 Each worker loads the frozen target (embeddings, head, and the teacher when features are
 not cached), reads the cached self-distillation data, trains its DDP replica on its shard,
 and reports a checkpoint (drafter + optimizer + step + data position) every N steps.
-Rank 0 alone talks to MLflow, and flushes buffered metrics only together with a
-checkpoint, so a restart never duplicates or skips a logged step.
+Rank 0 alone talks to MLflow: it tries to flush buffered metrics just before each
+checkpoint and stores whatever MLflow has not received in that checkpoint, so an outage
+never stalls training and a restart never duplicates or skips a logged step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from draftlab.config import BenchConfig, DistillConfig
 from draftlab.distill.batching import Batch, collate
-from draftlab.distill.checkpoint import load_checkpoint, save_checkpoint
+from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
 from draftlab.models.drafters.network import DrafterNet, init_drafter, load_drafter
 from draftlab.models.target import Target, load_target
@@ -157,6 +158,8 @@ def train_fn_per_worker(config: dict) -> dict:
         experiment=cfg.tracking.experiment,
         run_id=config.get("mlflow_run_id"),
         enabled=rank == 0 and config.get("mlflow_run_id") is not None,
+        max_buffer_seconds=cfg.tracking.max_outage_s,
+        max_outage_s=cfg.tracking.max_outage_s,
     )
 
     def make_optimizer(d: DrafterNet) -> torch.optim.Optimizer:
@@ -165,13 +168,14 @@ def train_fn_per_worker(config: dict) -> dict:
 
     ckpt = ray.train.get_checkpoint()
     if ckpt:
-        with ckpt.as_directory() as d:
-            drafter, optimizer, state = load_checkpoint(d, target, make_optimizer)
+        drafter, optimizer, state = restore_checkpoint(ckpt, target, make_optimizer)
     else:
         drafter = build_drafter(cfg, target, train)
         optimizer = make_optimizer(drafter)
         state = {"step": 0, "epoch": 0, "batch": 0, "elapsed_s": 0.0, "tokens": 0}
     resumed_from = state["step"]
+    # Metrics MLflow had not received when the checkpoint was saved (an outage) go out first.
+    tracker.restore(state.pop("tracking", None))
     # A restarted attempt (with or without a checkpoint) must not re-log steps already sent.
     tracker.resume_after("loss")
     module = DistillModule(drafter)
@@ -195,17 +199,23 @@ def train_fn_per_worker(config: dict) -> dict:
     def report(final: bool = False) -> None:
         """Flush metrics, then commit a checkpoint (all ranks report; rank 0 attaches files).
 
-        Flushing first means no logged step is ever lost; steps re-run after a crash between
-        the two are dropped by `tracker.resume_after` instead of logged twice.
+        The flush is one bounded attempt (the final one waits, within
+        `tracking.max_outage_s`): during an MLflow outage training goes on, and the metrics
+        not delivered yet are saved in the checkpoint, so every step up to a committed
+        checkpoint is in MLflow or in that checkpoint (none lost). Steps re-run after a crash
+        between flush and commit are dropped by `tracker.resume_after` (none logged twice).
         """
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
         metrics = {"step": state["step"], "epoch": state["epoch"], "tokens": state["tokens"], "final": final, **latest["metrics"]}
-        tracker.flush()
+        if final:
+            tracker.drain()
+        else:
+            tracker.try_flush()
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = None
             if rank == 0:
-                save_checkpoint(tmp, drafter, optimizer, state)
-                checkpoint = ray.train.Checkpoint.from_directory(tmp)
+                path = save_checkpoint(Path(tmp) / "checkpoint", drafter, optimizer, {**state, "tracking": tracker.snapshot()})
+                checkpoint = ray.train.Checkpoint.from_directory(str(path))
             ray.train.report(metrics, checkpoint=checkpoint)
 
     stop = False
@@ -242,6 +252,7 @@ def train_fn_per_worker(config: dict) -> dict:
                 window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
             if rank == 0 and step % cfg.train.eval_every == 0 and len(evalset):
                 evaluate_now(step)
+            tracker.poll()  # step complete: during an MLflow outage, retry delivery now and then
             # The slowest rank's clock: every rank takes the same lr and stop decisions.
             elapsed = _all_ranks_max(elapsed0 + time.perf_counter() - t_start, device)
             stop = elapsed >= budget_s

@@ -6,6 +6,7 @@ hidden states), a decoding thread (`Scheduler`) and Ray metrics.
         {"delta": str, "tokens": int} ...
         {"done": True, "finish_reason": ..., "stats": {...}, "completion_tokens": int}
         or {"error": str, "status": int, "param": str | None} instead of the first event
+        or {"error": str, "status": 503} at any point: the replica is shutting down (retryable)
 
 Metrics (Ray's Prometheus exporter, `ray_draftlab_*`): requests by status, generated
 tokens, tau per request, end-to-end latency, queue length and active requests.
@@ -149,15 +150,23 @@ class DraftEngine:
             yield event
 
     async def _decode(self, ids: list[int], params: SamplingParams, speculation: str | None, internal: bool = False):
+        from draftlab.serve.scheduler import ShuttingDown
+
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def publish(event: dict) -> None:  # called on the decoding thread
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        ticket = self.scheduler.submit(ids, params, publish, speculation, internal)
+        try:
+            ticket = self.scheduler.submit(ids, params, publish, speculation, internal)
+        except ShuttingDown as e:
+            yield {"error": str(e), "status": 503}
+            return
         try:
             while True:
                 event = await queue.get()
+                if "error" in event and not self.scheduler.alive:  # shut down under it: retryable
+                    event = {**event, "status": 503}
                 yield event
                 if "done" in event or "error" in event:
                     return

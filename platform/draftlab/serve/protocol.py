@@ -5,11 +5,13 @@ becomes a 4xx with OpenAI's error JSON: `{"error": {"message", "type", "param", 
 Unknown fields that clients commonly send (`user`, `stream_options`, `frequency_penalty`
 at its default...) are accepted and ignored, like OpenAI's own server does for optional
 features it does not use; options that would change the output and are not implemented
-are refused by name.
+are refused by name. Strings must be valid Unicode (a lone surrogate such as `"\\ud800"`
+is a 400, not a tokenizer crash); other control characters, NUL included, are text.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -18,17 +20,49 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from draftlab.config import SamplingParams
 
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (see `_Request.sampling`)
+# Nucleus sampling always keeps the top token (mass >= 1/vocab >= 1e-6), so a smaller top_p
+# selects the same set; in float32 a top_p under ~1e-45 would become 0 and drop it too.
+TOP_P_MIN = 1e-6
+
 
 class APIError(Exception):
     """An error returned to the client as OpenAI's error JSON with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _printable(self.message), "type": self.type, "param": _printable(self.param),
+                          "code": self.code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` with lone surrogates (from a client's JSON) escaped: the error body must encode."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unavailable(message: str, retry_after_s: float, code: str = "service_unavailable", status: int = 503) -> APIError:
+    """A retryable error: the request was not served, sending it again later may work.
+    OpenAI's clients retry 503s (and 429s) by themselves, waiting `Retry-After` seconds."""
+    return APIError(status, message, None, code, "server_error",
+                    headers={"Retry-After": str(max(0, math.ceil(retry_after_s)))})
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (the OpenAPI schema documents it on every route)."""
+
+    error: ErrorDetail
 
 
 class StreamOptions(BaseModel):
@@ -45,7 +79,7 @@ class _Request(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -88,8 +122,12 @@ class _Request(BaseModel):
                 raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature or 0.0,
-                              top_p=self.top_p if self.top_p is not None else 1.0, stop=self.stop or [], seed=self.seed)
+        # A tiny temperature overflows logits / temperature in float32 (inf, then NaN
+        # probabilities); below GREEDY_BELOW the distribution is one-hot anyway: greedy, as in vLLM.
+        temperature = self.temperature if (self.temperature or 0.0) >= GREEDY_BELOW else 0.0
+        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                              top_p=1.0 if self.top_p is None else max(self.top_p, TOP_P_MIN), stop=self.stop or [],
+                              seed=self.seed)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -140,10 +178,16 @@ def parse_request(model: type[_Request], body: bytes) -> _Request:
 
     try:
         data = json.loads(body or b"null")
+        bad = _invalid_unicode(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:  # `[[[[...` a few thousand deep
+        raise APIError(400, "the request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    if bad is not None:
+        raise APIError(400, f"invalid value for '{bad}': not valid Unicode (a lone surrogate such as \\ud800)",
+                       bad or None, "invalid_unicode")
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -153,6 +197,26 @@ def parse_request(model: type[_Request], body: bytes) -> _Request:
                        "missing_required_parameter" if err["type"] == "missing" else "invalid_type") from None
     req.check_supported()
     return req
+
+
+def _invalid_unicode(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) that is not valid Unicode, else None.
+    JSON can spell lone surrogates (`"\\udc00"`); tokenizers cannot encode them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _invalid_unicode(key) is not None:
+            return where
+        found = _invalid_unicode(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 # ------------------------------------------------------------------- responses

@@ -14,7 +14,8 @@ request switches freely without changing its output (see `Session.step`).
 Events put on a ticket's queue (via `publish`, on the caller's event loop):
     {"delta": str, "tokens": int}                        text committed since the last event
     {"done": True, "finish_reason": str, "stats": dict}  the last one
-    {"error": str}                                       the request failed (the engine lives on)
+    {"error": str}                                       the request failed (the engine lives on),
+                                                         or `shutdown` came first (then `alive` is False)
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 # Partial UTF-8 (a multi-byte character split across tokens) decodes to U+FFFD until the
 # rest arrives: such a tail is held back rather than streamed and then taken back.
 REPLACEMENT = "\ufffd"
+
+
+class ShuttingDown(RuntimeError):
+    """`submit` after `shutdown`: the request was not taken (another replica may take it)."""
 
 
 @dataclass(eq=False)  # identity: a ticket is one request
@@ -86,7 +91,7 @@ class Scheduler:
         t = Ticket(next(self._ids), prompt, params, mode, publish, internal=internal)
         with self._wake:
             if self._stop:
-                raise RuntimeError("the engine is shutting down")
+                raise ShuttingDown("the engine is shutting down")
             self._waiting.append(t)
             self._wake.notify()
         return t

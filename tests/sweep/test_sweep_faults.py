@@ -1,0 +1,117 @@
+"""A sweep trial crashes for real (its trial actor process SIGKILLed mid-training): Tune's
+`FailureConfig(max_failures)` retries it and the retry resumes the training from its latest
+checkpoint instead of training from scratch. Recovery times are printed (`pytest -s`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+import ray
+import yaml
+
+from distill_support import tiny_config
+from draftlab.config import TrainConfig
+from draftlab.sweep.runner import run_sweep
+from mlflow_server import MlflowServer
+
+pytestmark = pytest.mark.slow
+
+# Ray Train's controller polls workers every 2 s by default; 0.1 s shortens each fit.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
+
+
+@pytest.fixture(scope="module")
+def raylet():
+    """A local Ray instance; yields its raylet's pid (the parent of every worker process, so
+    the test only ever kills processes of its own Ray)."""
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    yield ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
+        yield server.url
+
+
+def _committed_step(run_dir: Path) -> int | None:
+    try:
+        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return latest["metrics"]["step"] if latest else None
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, tmp_path):
+    epochs = 10  # 12 training samples, batches of 2: 60 steps
+    base = tiny_config(tmp_path, "crash-base", mlflow_uri, train=TrainConfig(
+        epochs=epochs, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=6, eval_every=12, log_every=1))
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base.model_dump(mode="json")))
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
+        "name": "crash", "base": "base.yaml", "space": {"drafter.k": [3]}, "trees": ["chain"],
+        "search": {"max_concurrent_trials": 1}, "promote": False, "max_failures": 1}))
+    box: dict = {}
+
+    def sweep():
+        try:
+            box["summary"] = run_sweep(tmp_path / "sweep.yaml", progress=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    thread = threading.Thread(target=sweep, daemon=True)
+    thread.start()
+    trainings = tmp_path / "ray" / "trainings"
+    run_dir = _wait(lambda: next((d for d in trainings.glob("*") if _committed_step(d)), None), 300,
+                    "the trial's training to commit a checkpoint")
+    trial_actors = [p for p in psutil.Process(raylet).children()
+                    if "ImplicitFunc" in " ".join(p.cmdline())]
+    assert len(trial_actors) == 1, [p.cmdline() for p in psutil.Process(raylet).children()]
+    trial_actors[0].send_signal(signal.SIGKILL)  # the trial process dies; its Train run goes with it
+    t_kill = time.monotonic()
+    time.sleep(1)
+    killed_at = _committed_step(run_dir)
+    _wait(lambda: len((run_dir / "fits.jsonl").read_text().splitlines()) == 2, 120, "Tune to retry the trial")
+    t_retry = time.monotonic()
+    _wait(lambda: (_committed_step(run_dir) or 0) > killed_at, 120, "a checkpoint of the retried training")
+    t_resumed = time.monotonic()
+    thread.join(300)
+    assert not thread.is_alive(), "the sweep did not finish"
+    if "error" in box:
+        raise box["error"]
+    summary = box["summary"]
+    print(f"\ntrial killed after the checkpoint of step {killed_at}; Tune retried it {t_retry - t_kill:.1f} s "
+          f"later; its next checkpoint {t_resumed - t_kill:.1f} s after the kill; sweep done "
+          f"{time.monotonic() - t_kill:.1f} s after the kill")
+
+    assert summary["trials_done"] == 1 and not summary["not_finished"]
+    fits = [json.loads(line) for line in (run_dir / "fits.jsonl").read_text().splitlines()]
+    assert len(fits) == 2 and fits[0]["trial"] == fits[1]["trial"]  # the same trial, retried once
+    assert fits[0]["mlflow_run_id"] == fits[1]["mlflow_run_id"]  # ... logging into the same MLflow run
+    done = json.loads((run_dir / "done.json").read_text())
+    assert done["resumed_from_step"] == killed_at > 0  # from its latest checkpoint, not from scratch
+    assert done["steps"] == epochs * 6
+    client = mlflow.MlflowClient(mlflow_uri)
+    steps = sorted(m.step for m in client.get_metric_history(fits[0]["mlflow_run_id"], "loss"))
+    assert steps == list(range(1, epochs * 6 + 1))  # continuous across the crash: no gap, no duplicate
+    run = client.get_run(fits[0]["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["draftlab.status"] == "done"
