@@ -1,8 +1,10 @@
-"""Shared pieces for distillation tests: a tiny DistillConfig and a local prompt file."""
+"""Shared pieces for distillation tests: a tiny DistillConfig, a local prompt file, and
+waiting on Ray Train's committed checkpoints (fault tests)."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from draftlab.config import (
@@ -44,3 +46,23 @@ def tiny_config(tmp: Path, name: str, tracking_uri: str, **sections) -> DistillC
     )
     cfg.update(sections)
     return DistillConfig(**cfg)
+
+
+def committed_checkpoint(run_dir: Path) -> dict | None:
+    """Ray Train's latest *committed* checkpoint of a run: {"step", "dir"}, or None."""
+    try:
+        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text()).get("latest_checkpoint_result")
+    except (OSError, ValueError):
+        return None
+    return latest and {"step": latest["metrics"]["step"], "dir": run_dir / latest["checkpoint_dir_name"]}
+
+
+def wait_for(pred, timeout: float, what: str):
+    """`pred()`'s first truthy value, polled every 0.1 s; AssertionError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -21,7 +21,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from distill_support import tiny_config
+from distill_support import committed_checkpoint, tiny_config, wait_for
 from draftlab.config import BenchSpec, TrackingSpec, TrainConfig
 from draftlab.distill.checkpoint import (
     CheckpointError,
@@ -55,25 +55,6 @@ def _trained_state(tiny):
             p.grad = torch.full_like(p, 1e-3)
     opt.step()
     return drafter, opt
-
-
-def _snapshot(run_dir: Path) -> dict | None:
-    """Ray Train's latest *committed* checkpoint of a run: {"step", "dir"}, or None."""
-    try:
-        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text()).get("latest_checkpoint_result")
-    except (OSError, ValueError):
-        return None
-    return latest and {"step": latest["metrics"]["step"], "dir": run_dir / latest["checkpoint_dir_name"]}
-
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _raylet(node) -> int:
@@ -375,18 +356,18 @@ def test_lost_node_resumes_from_the_latest_checkpoint_on_a_new_node(cluster, mlf
     )
     run_dir = Path(cfg.storage_path) / cfg.name
     thread, box = _start(cfg)
-    _wait(lambda: _snapshot(run_dir), 240, "a committed checkpoint")
+    wait_for(lambda: committed_checkpoint(run_dir), 240, "a committed checkpoint")
     (node,) = cluster.worker_nodes
-    workers = _wait(lambda: _train_workers(cluster), 30, "the training worker")
+    workers = wait_for(lambda: _train_workers(cluster), 30, "the training worker")
     assert {w.info["ppid"] for w in workers} == {_raylet(node)}  # the worker runs on the node we remove
 
     t0 = time.monotonic()
     cluster.remove_node(node)  # every process of the node: raylet, training worker, ...
     time.sleep(3)  # no CPU left in the cluster: Train waits for resources
-    latest = _snapshot(run_dir)  # the last checkpoint committed before the node went
+    latest = committed_checkpoint(run_dir)  # the last checkpoint committed before the node went
     new = cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
     t_added = time.monotonic()
-    resumed = _wait(lambda: (s := _snapshot(run_dir)) and s["step"] > latest["step"] and s, 180,
+    resumed = wait_for(lambda: (s := committed_checkpoint(run_dir)) and s["step"] > latest["step"] and s, 180,
                     "a checkpoint after the restart")
     t_resumed = time.monotonic()
     summary = _finish(thread, box)
@@ -415,7 +396,7 @@ def test_mlflow_outage_training_goes_on_and_no_metric_is_lost(cluster, mlflow_se
     run_dir = Path(cfg.storage_path) / cfg.name
     client = mlflow.MlflowClient(mlflow_server.url)
     thread, box = _start(cfg)
-    before = _wait(lambda: _snapshot(run_dir), 240, "a committed checkpoint")
+    before = wait_for(lambda: committed_checkpoint(run_dir), 240, "a committed checkpoint")
     run_id = client.search_runs([client.get_experiment_by_name("draftlab-test-outage").experiment_id])[0].info.run_id
     delivered = max(m.step for m in client.get_metric_history(run_id, "loss"))
 
@@ -423,7 +404,7 @@ def test_mlflow_outage_training_goes_on_and_no_metric_is_lost(cluster, mlflow_se
     t_down = time.monotonic()
 
     def held_back():  # a checkpoint committed during the outage, holding undelivered metrics
-        s = _snapshot(run_dir)
+        s = committed_checkpoint(run_dir)
         if not s or s["step"] <= before["step"]:
             return None
         try:  # (Ray may have deleted it already: num_to_keep=2)
@@ -432,13 +413,13 @@ def test_mlflow_outage_training_goes_on_and_no_metric_is_lost(cluster, mlflow_se
             return None
         return s | {"pending_steps": sorted({r[3] for r in pending if r[0] == "loss"})}
 
-    ckpt = _wait(held_back, 60, "a checkpoint committed during the outage")
+    ckpt = wait_for(held_back, 60, "a checkpoint committed during the outage")
     held = ckpt["pending_steps"]  # what MLflow had not received: delivered up to just before them
     assert held and held[0] > delivered and held == list(range(held[0], ckpt["step"] + 1))
     for w in _train_workers(cluster):
         os.kill(w.info["pid"], signal.SIGKILL)  # crash: what it had buffered dies with it
     t_kill = time.monotonic()
-    after = _wait(lambda: (s := _snapshot(run_dir)) and s["step"] > ckpt["step"] and s, 90,
+    after = wait_for(lambda: (s := committed_checkpoint(run_dir)) and s["step"] > ckpt["step"] and s, 90,
                   "a checkpoint of the restarted worker, still during the outage")
     t_progress = time.monotonic()
     assert not mlflow_server.healthy()
@@ -471,7 +452,7 @@ def test_mlflow_outage_past_max_outage_s_fails_the_run_clearly(cluster, mlflow_s
         tracking=TrackingSpec(tracking_uri=mlflow_server.url, experiment="draftlab-test-outage-limit", max_outage_s=10),
     )
     thread, box = _start(cfg)
-    _wait(lambda: _snapshot(Path(cfg.storage_path) / cfg.name), 240, "a committed checkpoint")
+    wait_for(lambda: committed_checkpoint(Path(cfg.storage_path) / cfg.name), 240, "a committed checkpoint")
     mlflow_server.stop()
     t_down = time.monotonic()
     thread.join(150)

@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import mlflow
 import psutil
@@ -17,7 +16,7 @@ import pytest
 import ray
 import yaml
 
-from distill_support import tiny_config
+from distill_support import committed_checkpoint, tiny_config, wait_for
 from draftlab.config import TrainConfig
 from draftlab.sweep.runner import run_sweep
 from mlflow_server import MlflowServer
@@ -44,24 +43,6 @@ def mlflow_uri(tmp_path_factory):
         yield server.url
 
 
-def _committed_step(run_dir: Path) -> int | None:
-    try:
-        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
-    except (OSError, ValueError, KeyError):
-        return None
-    return latest["metrics"]["step"] if latest else None
-
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, tmp_path):
     epochs = 10  # 12 training samples, batches of 2: 60 steps
     base = tiny_config(tmp_path, "crash-base", mlflow_uri, train=TrainConfig(
@@ -81,7 +62,7 @@ def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, t
     thread = threading.Thread(target=sweep, daemon=True)
     thread.start()
     trainings = tmp_path / "ray" / "trainings"
-    run_dir = _wait(lambda: next((d for d in trainings.glob("*") if _committed_step(d)), None), 300,
+    run_dir = wait_for(lambda: next((d for d in trainings.glob("*") if committed_checkpoint(d)), None), 300,
                     "the trial's training to commit a checkpoint")
     trial_actors = [p for p in psutil.Process(raylet).children()
                     if "ImplicitFunc" in " ".join(p.cmdline())]
@@ -89,10 +70,10 @@ def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, t
     trial_actors[0].send_signal(signal.SIGKILL)  # the trial process dies; its Train run goes with it
     t_kill = time.monotonic()
     time.sleep(1)
-    killed_at = _committed_step(run_dir)
-    _wait(lambda: len((run_dir / "fits.jsonl").read_text().splitlines()) == 2, 120, "Tune to retry the trial")
+    killed_at = committed_checkpoint(run_dir)["step"]
+    wait_for(lambda: len((run_dir / "fits.jsonl").read_text().splitlines()) == 2, 120, "Tune to retry the trial")
     t_retry = time.monotonic()
-    _wait(lambda: (_committed_step(run_dir) or 0) > killed_at, 120, "a checkpoint of the retried training")
+    wait_for(lambda: (committed_checkpoint(run_dir) or {"step": 0})["step"] > killed_at, 120, "a checkpoint of the retried training")
     t_resumed = time.monotonic()
     thread.join(300)
     assert not thread.is_alive(), "the sweep did not finish"
