@@ -84,3 +84,17 @@ def test_load_missing_or_corrupt_dir_fails(tmp_path, tiny):
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="weights do not match the config"):
         load_drafter(tmp_path / "d", tiny)
+
+
+def test_drafter_dtype_moves_never_touch_the_target_head(tiny):
+    """The frozen target head is referenced, not registered: converting the drafter (float32
+    master weights in training) must not convert the shared target in place, nor save it."""
+    import torch
+
+    from draftlab.models.drafters import init_drafter
+
+    before = tiny.lm_head.weight.dtype
+    drafter = init_drafter("parallel", tiny, k=2, depth=1).to(torch.float64)
+    assert tiny.lm_head.weight.dtype == before
+    assert not any(p is tiny.lm_head.weight for p in drafter.parameters())
+    assert "_head_weight" not in drafter.state_dict()

@@ -141,7 +141,10 @@ class DrafterNet(nn.Module):
     def refresh_head(self) -> None:
         """Cache the head rows in use (the frozen target head, or its trimmed rows)."""
         w = self.target_head_weight  # (V, H)
-        self._head_weight = w[self.vocab_ids] if self.cfg.vocab_size else w  # (Vt, H)
+        # A plain tensor, never the target's Parameter: assigning that would register it
+        # here, so `.float()` / `.to()` on the drafter would convert the target's own head
+        # in place (and `save` would write it out).
+        self._head_weight = w[self.vocab_ids] if self.cfg.vocab_size else w.detach()  # (Vt, H)
         self._head_row = None
         if self.cfg.vocab_size:  # full id -> head row (-1 = trimmed away), built once
             self._head_row = torch.full((w.shape[0],), -1, dtype=torch.long, device=w.device)
@@ -257,6 +260,7 @@ def load_drafter(path: str | Path, target: Target) -> DrafterNet:
         )
     model = drafter_class(cfg.family)(cfg, target)
     state = load_file(str(weights), device=str(target.device))
+    state.pop("_head_weight", None)  # the target's own head, saved by older versions: never loaded
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights}: weights do not match the config (missing={missing}, unexpected={unexpected})")
