@@ -60,3 +60,12 @@ def test_sampled_chain_residual_excludes_overdrafted_token():
     rejected = [b for a, b in outcomes if not a]
     assert rejected and all(b == 0 for b in rejected)  # residual max(p-q,0) = token 0 only
     assert 0.4 < sum(1 for a, _ in outcomes if a) / 400 < 0.6
+
+
+def test_top_p_too_small_for_float32_keeps_the_top_token():
+    from draftlab.decoding.acceptance import process_logits
+
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    for top_p in (5e-324, 1e-300, 1e-9):
+        probs = process_logits(logits, 1.0, top_p)
+        assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), top_p

@@ -27,6 +27,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
     sorted_p, order = probs.sort(dim=-1, descending=True)
     # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
     drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    drop[..., 0] = False  # also when top_p rounds to 0 in float32 (e.g. 1e-300): never an empty nucleus
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return kept / kept.sum(-1, keepdim=True)

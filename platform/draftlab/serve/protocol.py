@@ -21,9 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from draftlab.config import SamplingParams
 
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (see `_Request.sampling`)
-# Nucleus sampling always keeps the top token (mass >= 1/vocab >= 1e-6), so a smaller top_p
-# selects the same set; in float32 a top_p under ~1e-45 would become 0 and drop it too.
-TOP_P_MIN = 1e-6
 
 
 class APIError(Exception):
@@ -126,7 +123,7 @@ class _Request(BaseModel):
         # probabilities); below GREEDY_BELOW the distribution is one-hot anyway: greedy, as in vLLM.
         temperature = self.temperature if (self.temperature or 0.0) >= GREEDY_BELOW else 0.0
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                              top_p=1.0 if self.top_p is None else max(self.top_p, TOP_P_MIN), stop=self.stop or [],
+                              top_p=1.0 if self.top_p is None else self.top_p, stop=self.stop or [],
                               seed=self.seed)
 
     @property
