@@ -164,9 +164,16 @@ def _chunks(seq: list, n: int):
         yield seq[i : i + n]
 
 
+class _Deadline(Exception):
+    pass
+
+
 def _is_transient(exc: BaseException) -> bool:
+    """Retrying may help: a refused / timed-out / overrun call, or a non-permanent MLflow error."""
     from mlflow.exceptions import MlflowException
 
+    if isinstance(exc, _Deadline):
+        return True
     if isinstance(exc, MlflowException):
         return exc.error_code not in _PERMANENT_ERRORS
     return isinstance(exc, (OSError, TimeoutError))  # requests' errors are OSErrors
@@ -182,10 +189,6 @@ def _server_reachable(uri: str, timeout: float) -> bool:
         return e.code not in (502, 503, 504)
     except (urllib.error.URLError, OSError):
         return False
-
-
-class _Deadline(Exception):
-    pass
 
 
 def _call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
@@ -276,6 +279,11 @@ class Tracker:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
+    def _probe(self, timeout: float) -> None:
+        """Raise ConnectionError at once if an HTTP backend does not answer its health check."""
+        if _is_http(self.tracking_uri) and not _server_reachable(self.tracking_uri, timeout):
+            raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+
     def _require_run(self) -> str:
         if not self.run_id:
             raise RuntimeError("Tracker has no run: call start_or_resume() first")
@@ -348,11 +356,10 @@ class Tracker:
             self._buffer.clear()
         # A failing run must fail now, not after MLflow's minutes of retries on a dead server.
         try:
-            if _is_http(self.tracking_uri) and not _server_reachable(self.tracking_uri, self.attempt_timeout_s):
-                raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+            self._probe(self.attempt_timeout_s)
             _call_with_timeout(lambda: self.client.set_terminated(self.run_id, status=status), self.attempt_timeout_s)
         except Exception as e:
-            if not (isinstance(e, _Deadline) or _is_transient(e)):
+            if not _is_transient(e):
                 raise
             logger.warning("could not mark MLflow run %s as %s at %s: %s", self.run_id, status, self.tracking_uri, e)
 
@@ -409,7 +416,7 @@ class Tracker:
             try:
                 self._resolve_resume(self._require_run(), time.monotonic() + self.attempt_timeout_s)
             except Exception as e:
-                if not (isinstance(e, _Deadline) or _is_transient(e)):
+                if not _is_transient(e):
                     raise
                 logger.warning("MLflow at %s does not answer (%s); the last logged step is looked up later",
                                self.tracking_uri, e)
@@ -420,9 +427,7 @@ class Tracker:
         key = self._resume_key
         if key is None:
             return
-        if _is_http(self.tracking_uri) and not _server_reachable(
-                self.tracking_uri, timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-            raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+        self._probe(max(0.1, min(5.0, deadline - time.monotonic())))
         history = _call_with_timeout(lambda: self.client.get_metric_history(run_id, key), deadline - time.monotonic())
         self._logged_through = max((m.step for m in history), default=0)
         keep, rest = self._buffer[: self._exempt], self._buffer[self._exempt :]
@@ -468,7 +473,7 @@ class Tracker:
                 self._up()
                 return
             except Exception as e:
-                if not (isinstance(e, _Deadline) or _is_transient(e)):
+                if not _is_transient(e):
                     raise
                 self._down(e)
             remaining = deadline - time.monotonic()
@@ -485,9 +490,7 @@ class Tracker:
         failure, keeping what was not delivered."""
         from mlflow.entities import Metric
 
-        if _is_http(self.tracking_uri) and not _server_reachable(
-                self.tracking_uri, timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-            raise ConnectionError(f"{self.tracking_uri}/health does not answer")
+        self._probe(max(0.1, min(5.0, deadline - time.monotonic())))
         self._resolve_resume(run_id, deadline)
         while self._buffer:
             chunk = self._next_chunk()
@@ -542,7 +545,7 @@ class Tracker:
             try:
                 self._send(self._require_run(), time.monotonic() + self.attempt_timeout_s)
             except Exception as e:
-                if not (isinstance(e, _Deadline) or _is_transient(e)):
+                if not _is_transient(e):
                     raise
                 self._down(e)
                 self._check_outage()
