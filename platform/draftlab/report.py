@@ -274,13 +274,11 @@ def _profile(prof: dict, plots: Path) -> list[tuple]:
 
 
 def _profile_plot(prof: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    from draftlab.sweep.report import figure, finish
+
+    plt, fig, (left, right) = figure(ncols=2)
     t = prof.get("target_forward_ms") or {}
     ns = sorted(t, key=int)
     left.plot([int(n) for n in ns], [t[n] for n in ns], marker="o")
@@ -295,14 +293,7 @@ def _profile_plot(prof: dict, path: Path) -> Path:
     right.set_ylim(bottom=0)
     right.xaxis.set_major_locator(MaxNLocator(integer=True))
     right.set(title="drafting round cost", xlabel="K (draft tokens)", ylabel="ms")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    if right.get_legend_handles_labels()[0]:
-        right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(plt, fig, [left, right], path)
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -34,24 +34,32 @@ def pareto_front(rows: list[dict]) -> list[dict]:
     return front
 
 
-def _figure():
+def figure(ncols: int = 1):
+    """(pyplot, figure, axes): one 6x4 in panel per column, for files only (Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    return plt, *plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4))
+    return plt, fig, axes
 
 
-def _save(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+def finish(plt, fig, axes, path: Path) -> Path:
+    """Grid and (where lines are labelled) a legend on every panel; save and close."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _save(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    return finish(plt, fig, [ax], path)
 
 
 def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
@@ -60,7 +68,7 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
 
-    plt, fig, ax = _figure()  # best tree per trained drafter, one line per (family, depth)
+    plt, fig, ax = figure()  # best tree per trained drafter, one line per (family, depth)
     lines: dict[tuple, dict[int, float]] = defaultdict(dict)
     for r in rows:
         key = (r["family"], r["depth"])
@@ -70,7 +78,7 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
         ax.plot(ks, [by_k[k] for k in ks], marker="o", label=f"{family}, depth {depth}")
     paths.append(_save(plt, fig, ax, out_dir / "speedup_vs_k.png", "Speedup vs K (best tree)", "K", "speedup vs ar"))
 
-    plt, fig, ax = _figure()
+    plt, fig, ax = figure()
     curves: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
     for r in rows:
         curves[(r["family"], r["k"], r["depth"])].append((r["tree_nodes"], r["speedup_vs_ar"]))
@@ -79,13 +87,13 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family} K={k} d={depth}")
     paths.append(_save(plt, fig, ax, out_dir / "speedup_vs_tree_budget.png", "Speedup vs tree size", "tree nodes", "speedup vs ar"))
 
-    plt, fig, ax = _figure()
+    plt, fig, ax = figure()
     ax.scatter([r["drafter_parameters"] / 1e6 for r in rows], [r["speedup_vs_ar"] for r in rows], alpha=0.5, label="trials")
     front = pareto_front(rows)
     ax.plot([r["drafter_parameters"] / 1e6 for r in front], [r["speedup_vs_ar"] for r in front], "r-o", label="Pareto front")
     paths.append(_save(plt, fig, ax, out_dir / "pareto.png", "Speedup vs drafter size", "drafter parameters (M)", "speedup vs ar"))
 
-    plt, fig, ax = _figure()  # the best trial's tau per prompt category
+    plt, fig, ax = figure()  # the best trial's tau per prompt category
     best = max(rows, key=lambda r: r["speedup_vs_ar"])
     cats = best.get("tau_by_category") or {}
     ax.bar(list(cats), list(cats.values()))
