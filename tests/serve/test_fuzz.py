@@ -16,7 +16,6 @@ from collections import Counter
 
 import httpx
 import pytest
-import ray
 import schemathesis
 from hypothesis import HealthCheck, settings
 from ray import serve
@@ -24,7 +23,7 @@ from schemathesis import checks
 
 from draftlab.config import ServeArgs, TargetSpec
 from draftlab.serve.app import api, build_app
-from mlflow_server import free_port
+from serve_support import local_serve, report
 
 pytestmark = pytest.mark.slow
 TINY = "tiny-llama"
@@ -34,27 +33,17 @@ TOTALS: Counter = Counter()
 
 @pytest.fixture(scope="module")
 def base_url():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = ServeArgs(target=TargetSpec(name=TINY), drafter="init:parallel", num_cpus=0.25, health_check_timeout_s=30,
-                     max_body_bytes=MAX_BODY)
-    serve.run(build_app(args), name="fuzz", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    for url in local_serve():
+        args = ServeArgs(target=TargetSpec(name=TINY), drafter="init:parallel", num_cpus=0.25, health_check_timeout_s=30,
+                         max_body_bytes=MAX_BODY)
+        serve.run(build_app(args), name="fuzz", route_prefix="/")
+        yield url
 
 
 @pytest.fixture(scope="module")
 def http(base_url):
     with httpx.Client(base_url=base_url, timeout=60) as c:
         yield c
-
-
-def report(capsys, line: str) -> None:
-    """Print past pytest's capture: the lead copies these figures into the README."""
-    with capsys.disabled():
-        print(f"\n[fuzz] {line}")
 
 
 def test_schema_documents_request_bodies_and_errors(http):
@@ -199,6 +188,6 @@ def test_fuzz_totals(request, capsys):
     assert TOTALS["cases"] > 0, "the schemathesis test did not run"
     ops = {k: v for k, v in TOTALS.items() if k.startswith(("GET ", "POST "))}
     statuses = {k: v for k, v in sorted(TOTALS.items()) if "status" in k}
-    report(capsys, f"schemathesis: {TOTALS['cases']} cases over {len(ops)} operations {ops}, "
+    report(capsys, "fuzz", f"schemathesis: {TOTALS['cases']} cases over {len(ops)} operations {ops}, "
                     f"{TOTALS['engine cases']} re-sent to the engine; failures: {TOTALS['failures']}; {statuses}")
     assert TOTALS["failures"] == 0

@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-import ray
 from ray import serve
 
 from draftlab.config import LoadtestConfig, SamplingParams, ServeArgs, TargetSpec
@@ -21,7 +20,8 @@ from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.drafters import init_drafter
 from draftlab.serve.app import build_app
 from draftlab.serve.loadtest import run_loadtest
-from mlflow_server import MlflowServer, free_port
+from mlflow_server import MlflowServer
+from serve_support import local_serve
 
 pytestmark = pytest.mark.slow
 TINY = "tiny-llama"
@@ -30,14 +30,10 @@ ENGINE = {"num_cpus": 0.25, "health_check_timeout_s": 30}
 
 @pytest.fixture(scope="module")
 def base_url():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = ServeArgs(target=TargetSpec(name=TINY), drafter="init:parallel", engine={"tree": "small-6"}, **ENGINE)
-    serve.run(build_app(args), name="tiny", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    for url in local_serve():
+        args = ServeArgs(target=TargetSpec(name=TINY), drafter="init:parallel", engine={"tree": "small-6"}, **ENGINE)
+        serve.run(build_app(args), name="tiny", route_prefix="/")
+        yield url
 
 
 @pytest.fixture(scope="module")

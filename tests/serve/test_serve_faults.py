@@ -40,7 +40,7 @@ from draftlab.config import SamplingParams, ServeArgs, TargetSpec
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import load_target
 from draftlab.serve.app import _as_unavailable, build_app
-from mlflow_server import free_port
+from serve_support import local_serve, report
 
 pytestmark = pytest.mark.slow
 TINY = "tiny-llama"
@@ -52,18 +52,7 @@ QUEUE_TIMEOUT_S = 15.0  # the app's queue_timeout_s: the longest a request may w
 
 @pytest.fixture(scope="module")
 def base_url():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-
-
-def report(capsys, line: str) -> None:
-    """Print past pytest's capture: the lead copies these figures into the README."""
-    with capsys.disabled():
-        print(f"\n[serve-faults] {line}")
+    yield from local_serve()
 
 
 def deploy(name: str, target: str = TINY, **kw) -> None:
@@ -236,7 +225,7 @@ def test_killed_replica_under_load_fails_fast_and_recovers(base_url, capsys):
     assert ok_after, "no request succeeded after the kill"
     recovery = min(ok_after)
     assert recovery < 60
-    report(capsys, f"SIGKILL of the only engine replica under 4 clients: {len(outcomes)} requests, "
+    report(capsys, "serve-faults", f"SIGKILL of the only engine replica under 4 clients: {len(outcomes)} requests, "
                     f"{len(bad)} failed with a retryable error ({len(bad) - len(cut)} x 503 + Retry-After, "
                     f"{len(cut)} streams cut with an SSE error + [DONE]), 0 x 500, 0 hangs; slowest failure "
                     f"{max(o.end - max(o.start, t_kill) for o in bad):.2f} s after the kill; first success "
@@ -315,6 +304,6 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
     if how == "replace-replicas":
         serve.delete(app)
     codes = dict(sorted(Counter(o.status for o in during).items()))
-    report(capsys, f"{how} during a {LONG_TOKENS}-token stream: the stream finished intact "
+    report(capsys, "serve-faults", f"{how} during a {LONG_TOKENS}-token stream: the stream finished intact "
                    f"({result['seconds']:.1f} s in all, {stopped:.1f} s after the stop began); {len(during)} "
                    f"requests sent meanwhile got {codes}, slowest {max(o.end - o.start for o in during):.2f} s")

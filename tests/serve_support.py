@@ -1,0 +1,30 @@
+"""Shared pieces for Serve tests: a module's own Ray + Serve on a free local port, and
+printing measured figures past pytest's capture."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ray
+from ray import serve
+
+from mlflow_server import free_port
+
+
+def local_serve() -> Iterator[str]:
+    """Start Ray and Serve (HTTP on 127.0.0.1, a free port); yield the base URL; stop both.
+    Use as the body of a module-scoped fixture."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def report(capsys, tag: str, line: str) -> None:
+    """Print past pytest's capture, so the measured figures show under `-q` in CI."""
+    with capsys.disabled():
+        print(f"\n[{tag}] {line}")
