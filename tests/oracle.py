@@ -11,6 +11,8 @@ import torch
 
 
 class OracleDrafter:
+    aux_layers = ()  # reads no target features
+
     def __init__(self, target, prompt: list[int], ranks: list[int] | None = None, wrong_after: int | None = None):
         self.target = target
         self.prompt = prompt

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -276,6 +276,11 @@ class DataConfig(StrictModel):
     store_features: bool = True
     """Also cache the target's last hidden states (float16) so training needs no target
     forward; False = training workers run the frozen target themselves."""
+    aux_layers: list[int] | Literal["eagle3"] | None = None
+    """Also cache the residual states after these target layers (`eagle3` = vLLM's
+    default, (2, L/2, L-3)) before the last hidden state: what a `p-eagle` drafter fuses.
+    Set from the drafter by the distill config; None = the last hidden state only. Costs
+    (n + 1) x the last-state cache: 4 x 576 x 2 bytes = 4.6 KB per token for SmolLM2-135M."""
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     """Held-out share of samples for evaluation while training."""
     cache_dir: str | None = None
@@ -287,7 +292,7 @@ class DrafterSpec(StrictModel):
     """Which drafter to train."""
 
     family: str = "parallel"
-    """Registered drafter family (`parallel`, `autoregressive`)."""
+    """Registered drafter family (`p-eagle`, `parallel`, `autoregressive`)."""
     k: int = Field(4, ge=1, le=16)
     """Draft tokens per round (parallel: k-1 mask embeddings, trained as k groups)."""
     depth: int = Field(1, ge=1, le=16)
@@ -295,6 +300,9 @@ class DrafterSpec(StrictModel):
     vocab_size: int | None = Field(None, ge=16)
     """VocabTrim: keep only the N most frequent response tokens in the drafter's head
     (None = the full target vocabulary)."""
+    aux_layers: list[int] | None = None
+    """`p-eagle`: target layers whose residual states the drafter fuses; None = vLLM's
+    EAGLE-3 default (2, L/2, L-3). Ignored by families that read the last state alone."""
     init_from: str | None = None
     """Start from a saved drafter directory instead of random weights."""
 
@@ -442,6 +450,14 @@ class DistillConfig(StrictModel):
     """Ray Train storage (local dir, NFS, or s3://...). Shared storage for multi-node."""
     output_dir: str | None = None
     """Where the final drafter is written; None = `<storage_path>/<name>/drafter`."""
+
+    @model_validator(mode="after")
+    def _cache_what_the_drafter_fuses(self) -> DistillConfig:
+        from draftlab.models.drafters.registry import drafter_class
+
+        if drafter_class(self.drafter.family).uses_aux_features and self.data.aux_layers is None:
+            self.data.aux_layers = self.drafter.aux_layers or "eagle3"
+        return self
 
 
 class EngineSpec(StrictModel):

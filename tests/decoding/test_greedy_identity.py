@@ -14,7 +14,7 @@ TREES = [Tree.chain(1), Tree.chain(4), load_tree("small-6"), load_tree("default"
 GREEDY = SamplingParams(max_new_tokens=40)
 
 
-@pytest.mark.parametrize("family", ["parallel", "autoregressive"])
+@pytest.mark.parametrize("family", ["p-eagle", "parallel", "autoregressive"])
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: t.name)
 def test_untrained_drafter_identity(tiny, tiny_prompts, family, tree):
     drafter = init_drafter(family, tiny, k=4, depth=2, seed=1)

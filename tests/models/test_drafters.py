@@ -11,19 +11,27 @@ def greedy_pick(j, logits):
     return int(logits.argmax())
 
 
+FAMILIES = ["p-eagle", "parallel", "autoregressive"]
+
+
+def features(d, n: int) -> torch.Tensor:
+    """(n, F) random target features of the width drafter `d` fuses."""
+    return torch.randn(n, (len(d.cfg.aux_layers or []) + 1) * d.hidden_size)
+
+
 def test_registry_lists_families():
-    assert available_drafters() == ["autoregressive", "parallel"]
-    with pytest.raises(KeyError, match=r"unknown drafter family 'medusa'; available: \['autoregressive', 'parallel'\]"):
+    assert available_drafters() == ["autoregressive", "p-eagle", "parallel"]
+    with pytest.raises(KeyError, match=r"unknown drafter family 'medusa'; available: \['autoregressive', 'p-eagle', 'parallel'\]"):
         init_drafter("medusa", load_target("tiny-llama"))
 
 
-@pytest.mark.parametrize("family", ["parallel", "autoregressive"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_propose_shapes_and_cache_rollback(tiny, family):
     d = init_drafter(family, tiny, k=4, depth=2)
     state = d.new_state()
     n = 5
     toks = torch.randint(0, tiny.vocab_size, (n,))
-    hid = torch.randn(n, tiny.hidden_size)
+    hid = features(d, n)
     drafts, logits = d.propose(state, toks, hid, 4, greedy_pick)
     assert drafts.shape == (4,) and logits.shape == (4, tiny.vocab_size)
     assert torch.equal(drafts, logits.argmax(-1))
@@ -31,12 +39,13 @@ def test_propose_shapes_and_cache_rollback(tiny, family):
     assert state.cache.get_seq_length() == n and state.pos == 1 + n
 
 
-def test_parallel_one_pass_equals_stepwise_masks(tiny):
+@pytest.mark.parametrize("family", ["parallel", "p-eagle"])
+def test_parallel_one_pass_equals_stepwise_masks(tiny, family):
     """The k-1 masks see the context causally: drafting with k masks in one pass gives the
     same per-position logits as k separate passes over context + j masks."""
-    d = init_drafter("parallel", tiny, k=4, depth=1, seed=3)
+    d = init_drafter(family, tiny, k=4, depth=1, seed=3)
     toks = torch.randint(0, tiny.vocab_size, (6,))
-    hid = torch.randn(6, tiny.hidden_size)
+    hid = features(d, 6)
     _, one_pass = d.propose(d.new_state(), toks, hid, 4, greedy_pick)
     for k in range(1, 5):
         _, lk = d.propose(d.new_state(), toks, hid, k, greedy_pick)
@@ -49,7 +58,7 @@ def test_parallel_k_above_trained_fails(tiny):
         d.propose(d.new_state(), torch.tensor([1]), torch.zeros(1, tiny.hidden_size), 4, greedy_pick)
 
 
-@pytest.mark.parametrize("family", ["parallel", "autoregressive"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_save_load_round_trip(tmp_path, tiny, family):
     d = init_drafter(family, tiny, k=4, depth=2, seed=7)
     d.save(tmp_path / "drafter")
@@ -59,7 +68,7 @@ def test_save_load_round_trip(tmp_path, tiny, family):
     loaded = load_drafter(tmp_path / "drafter", tiny)
     for (n1, p1), (n2, p2) in zip(d.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2)
-    toks, hid = torch.tensor([3, 4, 5]), torch.randn(3, tiny.hidden_size)
+    toks, hid = torch.tensor([3, 4, 5]), features(d, 3)
     _, a = d.propose(d.new_state(), toks, hid, 3, greedy_pick)
     _, b = loaded.propose(loaded.new_state(), toks, hid, 3, greedy_pick)
     torch.testing.assert_close(a, b)
@@ -98,3 +107,52 @@ def test_drafter_dtype_moves_never_touch_the_target_head(tiny):
     assert tiny.lm_head.weight.dtype == before
     assert not any(p is tiny.lm_head.weight for p in drafter.parameters())
     assert "_head_weight" not in drafter.state_dict()
+
+
+def test_p_eagle_layout_is_vllms(tiny):
+    """The EAGLE-3 layout vLLM loads: fc over the aux states, a first layer whose q/k/v read
+    2H inputs and that has a hidden_norm, one shared mask_hidden of the aux width."""
+    d = init_drafter("p-eagle", tiny, k=3, depth=2)
+    h, aux = tiny.hidden_size, d.cfg.aux_layers
+    assert aux == [0, 1] and d.cfg.mask_token_id is not None  # 2-layer target: 0, L/2, L-1 deduplicated
+    sd = d.state_dict()
+    assert sd["fc.weight"].shape == (h, len(aux) * h)
+    assert sd["mask_hidden"].shape == (1, len(aux) * h)
+    assert sd["decoder.layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert sd["decoder.layers.0.hidden_norm.weight"].shape == (h,)
+    assert sd["decoder.layers.1.self_attn.q_proj.weight"].shape[1] == h  # later layers are stock Llama
+    assert not any("mask_embeddings" in k for k in sd)
+
+
+def test_p_eagle_slots_share_one_input_and_differ_by_position(tiny):
+    d = init_drafter("p-eagle", tiny, k=4, depth=1, seed=2)
+    slots = d.mask_input(torch.arange(3))  # (3, 2H)
+    assert torch.equal(slots[0], slots[2])
+    _, logits = d.propose(d.new_state(), torch.tensor([5, 6, 7]), features(d, 3), 4, greedy_pick)
+    assert not torch.allclose(logits[1], logits[2])  # same input, other position (RoPE) and context
+
+
+def test_p_eagle_rejects_features_without_aux_states(tiny):
+    d = init_drafter("p-eagle", tiny, k=2)
+    with pytest.raises(ValueError, match=r"p-eagle needs the target's states at layers \[0, 1\]"):
+        d.propose(d.new_state(), torch.tensor([1, 2]), torch.zeros(2, tiny.hidden_size), 2, greedy_pick)
+    with pytest.raises(ValueError, match=r"aux_layers \[5\] must be layer ids in \[0, 1\]"):
+        init_drafter("p-eagle", tiny, aux_layers=[5])
+
+
+def test_target_features_are_the_residual_states_after_each_aux_layer(tiny):
+    """Target.forward(aux_layers=...) returns [state after layer i for each i; last hidden],
+    as vLLM's EAGLE-3 aux hidden states (hidden + residual after i layers)."""
+    ids = torch.tensor([4, 9, 11, 20])
+    _, last = tiny.forward(ids, torch.arange(4), tiny.new_cache())
+    logits, feats = tiny.forward(ids, torch.arange(4), tiny.new_cache(), aux_layers=(0, 1))
+    h = tiny.hidden_size
+    assert feats.shape == (4, 3 * h)
+    torch.testing.assert_close(feats[:, -h:], last)
+    torch.testing.assert_close(feats[:, :h], tiny.embed(ids))  # after 0 layers: the embeddings
+    with torch.inference_mode():
+        x = tiny.embed(ids)[None]
+        pos = torch.arange(4)[None]
+        pe = tiny.model.model.rotary_emb(x, pos)
+        after1 = tiny.model.model.layers[0](x, attention_mask=None, position_embeddings=pe, position_ids=pos)
+    torch.testing.assert_close(feats[:, h : 2 * h], after1[0], atol=1e-5, rtol=1e-4)

@@ -1,5 +1,6 @@
 """Self-distillation data: the frozen target answers the training prompts, and (optionally)
-its last hidden states are cached so drafter training needs no target forward.
+its states are cached so drafter training needs no target forward: the residual states
+after `data.aux_layers` (for `p-eagle`) then the last hidden state, (T, (n_aux + 1) * H).
 
 Generation is scaled out with Ray Data: prompts are cut into shards of `shard_size`; a pool
 of `num_actors` actors, each holding one copy of the target, generates a shard and saves it
@@ -15,7 +16,7 @@ Cache layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
 
 `<key>` hashes everything that changes the samples: the target's weights fingerprint, the
 prompt source (and the size/mtime of local source files), max_new_tokens, temperature,
-top_p, store_features and eval_fraction. Batch size, actor count, shard size and device are
+top_p, store_features, aux_layers and eval_fraction. Batch size, actor count, shard size and device are
 left out on purpose: they change speed, not results, except that batched left-padded
 generation can flip a near-tied greedy argmax through padding numerics (and GPU/CPU kernels
 differ slightly too). We accept that rather than invalidate caches on a resource change.
@@ -43,6 +44,7 @@ from transformers import LogitsProcessorList
 
 from draftlab.config import DataConfig, PromptSourceConfig, TargetSpec
 from draftlab.data.sampling import TopKTopPSampler
+from draftlab.models.drafters.p_eagle import resolve_aux_layers
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
         "top_p": data.top_p,
         "store_features": data.store_features,
         "eval_fraction": data.eval_fraction,
-    }
+    } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {})  # older keys stay valid
 
 
 def _digest(inputs: dict) -> str:
@@ -128,14 +130,14 @@ def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: 
 # --- generation: pure functions of a loaded target (they run inside the actors) ----------
 
 
-def sample_features(hidden_size: int, store_features: bool) -> datasets.Features:
+def sample_features(feature_size: int, store_features: bool) -> datasets.Features:
     cols = {
         "input_ids": datasets.List(datasets.Value("int32")),
         "prompt_len": datasets.Value("int32"),
         "prompt": datasets.Value("string"),
     }
     if store_features:
-        cols["hidden"] = datasets.Array2D(shape=(None, hidden_size), dtype="float16")
+        cols["hidden"] = datasets.Array2D(shape=(None, feature_size), dtype="float16")
     return datasets.Features(cols)
 
 
@@ -194,9 +196,10 @@ def generate_responses(
 
 
 @torch.inference_mode()
-def last_hidden_states(target, sequences: list[list[int]], batch_size: int) -> list[np.ndarray]:
-    """The target's last hidden states (after the final norm, as `Target.forward` returns
-    them) for every position of each sequence, as float16 arrays of shape (T, H).
+def target_features(target, sequences: list[list[int]], batch_size: int, aux_layers: list[int]) -> list[np.ndarray]:
+    """The target's features (`Target.features`: the states after `aux_layers`, then the
+    last hidden state, as `Target.forward` returns them) for every position of each
+    sequence, as float16 arrays of shape (T, (len(aux_layers) + 1) * H).
 
     Sequences are right-padded and run without an attention mask: attention is causal, so
     no real position ever sees the padding after it.
@@ -208,10 +211,9 @@ def last_hidden_states(target, sequences: list[list[int]], batch_size: int) -> l
         ids = torch.full((len(chunk), max(map(len, chunk))), pad, dtype=torch.long)  # (B, W)
         for row, seq in enumerate(chunk):
             ids[row, : len(seq)] = torch.tensor(seq)
-        decoder = target.model.get_decoder()
-        hidden = decoder(input_ids=ids.to(target.device), use_cache=False).last_hidden_state  # (B, W, H)
+        hidden = target.run_decoder(tuple(aux_layers), input_ids=ids.to(target.device), use_cache=False)  # (B, W, F)
         hidden = hidden.float().clamp(-_FP16_MAX, _FP16_MAX).half().cpu()
-        out += [hidden[row, : len(seq)].numpy() for row, seq in enumerate(chunk)]  # (T, H) each
+        out += [hidden[row, : len(seq)].numpy() for row, seq in enumerate(chunk)]  # (T, F) each
     return out
 
 
@@ -226,9 +228,11 @@ def build_shard(target, prompts: list[str], data: DataConfig, seed: int) -> data
         "prompt_len": [len(prompt_ids[i]) for i in keep],
         "prompt": [prompts[i] for i in keep],
     }
+    aux = resolve_aux_layers(data.aux_layers, target.num_layers)
     if data.store_features:
-        cols["hidden"] = last_hidden_states(target, seqs, data.batch_size)
-    return datasets.Dataset.from_dict(cols, features=sample_features(target.hidden_size, data.store_features))
+        cols["hidden"] = target_features(target, seqs, data.batch_size, aux)
+    width = (len(aux) + 1) * target.hidden_size
+    return datasets.Dataset.from_dict(cols, features=sample_features(width, data.store_features))
 
 
 class ShardGenerator:
@@ -467,8 +471,8 @@ def load_or_generate(
     loaded from the cache, or generated with Ray Data (resuming finished shards) and cached.
 
     Columns: `input_ids` (prompt ids from `Target.encode_prompt`, then the response, EOS
-    kept), `prompt_len`, `prompt`, and with `data.store_features` also `hidden` (T, H)
-    float16. `keep_shards=False` deletes the work dir once the dataset is saved (the shards
+    kept), `prompt_len`, `prompt`, and with `data.store_features` also `hidden` (T, F)
+    float16 (`target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
     duplicate it on disk).
     """
     from draftlab.models.target import load_target

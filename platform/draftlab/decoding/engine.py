@@ -2,7 +2,7 @@
 
 Invariants between rounds (n = committed tokens so far, prompt included):
   * the target cache holds tokens 0..n-2; token n-1 (the last bonus, `root`) is not in it;
-  * the drafter has `pending` entries (token x_t, target hidden h_{t-1}) not yet committed.
+  * the drafter has `pending` entries (token x_t, target features h_{t-1}) not yet committed.
 A round: the drafter commits `pending` and drafts; the target verifies root + drafts in one
 forward (each row attends to the context and its tree ancestors, position = n-1 + depth);
 the walk accepts a path; the target cache keeps root + accepted rows; the accepted tokens
@@ -106,13 +106,14 @@ def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator |
     return sample(process_logits(logits, params.temperature, params.top_p), gen)
 
 
-def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, stats: DecodeStats):
+def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, stats: DecodeStats,
+             aux_layers: tuple[int, ...] = ()):
     if not prompt:
         raise ValueError("prompt must contain at least one token")
     t0 = time.perf_counter()
     ids = torch.tensor(prompt, device=target.device)
     cache = target.new_cache()
-    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache)
+    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache, aux_layers=aux_layers)
     first = _choose(logits[-1], params, gen)
     stats.prefill_s = time.perf_counter() - t0
     return cache, hidden, first
@@ -193,7 +194,9 @@ def step_many(sessions: list[Session], speculate: list[bool],
         return
     t0 = time.perf_counter()
     try:
-        outs = live[0].dec.target.forward_many([(b.ids, b.positions, s.cache, b.rows) for s, b in zip(live, blocks, strict=True)])
+        dec = live[0].dec
+        outs = dec.target.forward_many([(b.ids, b.positions, s.cache, b.rows) for s, b in zip(live, blocks, strict=True)],
+                                       dec.aux_layers)
     except Exception as e:
         for s in live:
             fail(s, e)
@@ -216,6 +219,7 @@ class SpeculativeDecoder:
     def __init__(self, target: Target, drafter: DrafterNet, tree: Tree):
         drafter.check_k(tree.depth)
         self.target, self.drafter, self.tree = target, drafter, tree
+        self.aux_layers = drafter.aux_layers  # target states the drafter fuses
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
         self._ancestors, self._counts = (t.to(dev) for t in tree.ancestor_rows)
@@ -247,7 +251,7 @@ class Session:
         self.t_start = time.perf_counter()
         self.stats, self.gen = DecodeStats(), _generator(params, dev)
         self.stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
-        self.cache, hidden, self.root = _prefill(target, prompt, params, self.gen, self.stats)
+        self.cache, hidden, self.root = _prefill(target, prompt, params, self.gen, self.stats, dec.aux_layers)
         self.state = dec.drafter.new_state()
         self.ctx = len(prompt)  # target cache length (the root is not in it)
         # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
@@ -307,7 +311,7 @@ class Session:
         self.ctx += len(keep)
         new = [node_list[i] for i in accepted] + [bonus]
         self.pend_tok = torch.cat([self.pend_tok, torch.tensor(new, device=dev)])
-        self.pend_hid = torch.cat([self.pend_hid, hid[keep]])  # (m+1, H): the state that produced each new token
+        self.pend_hid = torch.cat([self.pend_hid, hid[keep]])  # (m+1, F): the states that produced each new token
         self.root = bonus
         self.stats.draft_s += block.draft_s
         self.stats.verify_s += verify_s

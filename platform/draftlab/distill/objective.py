@@ -32,9 +32,9 @@ class DistillModule(nn.Module):
         self.drafter = drafter
 
     def forward(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (B, L, H) target states -> (B, M, H) drafter outputs for every node."""
-        anchor_h = gather_states(hidden, batch.node_anchor)  # (B, M, H)
-        x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, H)
+        """hidden: (B, L, F) target features -> (B, M, H) drafter outputs for every node."""
+        anchor_h = gather_states(hidden, batch.node_anchor)  # (B, M, F)
+        x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, D)
         return self.drafter(x, batch.position_ids, attention_mask=batch.attn_mask)  # (B, M, H)
 
 
@@ -117,7 +117,7 @@ def loss_and_backward(
     module: nn.Module,  # DistillModule, possibly DDP-wrapped
     drafter: DrafterNet,
     batch: Batch,
-    hidden: torch.Tensor,  # (B, L, H)
+    hidden: torch.Tensor,  # (B, L, F) target features, the last hidden state last
     cfg: TrainConfig,
     k: int,
     backward: bool = True,
@@ -127,7 +127,7 @@ def loss_and_backward(
     sel = batch.loss_mask  # (B, M)
     n_total = max(int(sel.sum()), 1)
     flat_out = out.detach()[sel]  # (N, H): the loss runs on detached outputs, chunk by chunk
-    teacher = gather_states(hidden, batch.teacher_idx)[sel]  # (N, H)
+    teacher = gather_states(hidden[..., -out.shape[-1] :], batch.teacher_idx)[sel]  # (N, H) last hidden states
     label, depth = batch.label[sel], batch.depth[sel]  # (N,), (N,)
     stats = Stats(k)
     grads = []

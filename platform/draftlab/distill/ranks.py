@@ -66,9 +66,9 @@ def rank_acceptance(
     reach = torch.zeros(k, dtype=torch.long)
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i : i + batch_size], k, max_seq_len, False, None).to(target.device)
-        hidden = teacher_states(target, batch)  # (B, L, H)
+        hidden = teacher_states(target, batch, drafter.cfg.aux_layers)  # (B, L, F)
         out = module(batch, hidden)  # (B, M, H)
-        teacher = gather_states(hidden, batch.teacher_idx)  # (B, M, H)
+        teacher = gather_states(hidden[..., -target.hidden_size :], batch.teacher_idx)  # (B, M, H)
         sel = batch.loss_mask  # (B, M)
         rank = _target_ranks(drafter, target, out[sel], teacher[sel]).cpu()  # (N,)
         b_idx = torch.arange(sel.shape[0], device=sel.device)[:, None].expand_as(sel)[sel].cpu()

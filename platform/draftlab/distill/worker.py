@@ -27,13 +27,15 @@ from draftlab.distill.batching import Batch, collate
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
 from draftlab.models.drafters.network import DrafterNet, init_drafter, load_drafter
+from draftlab.models.drafters.p_eagle import resolve_aux_layers
+from draftlab.models.drafters.registry import drafter_class
 from draftlab.models.target import Target, load_target
 from draftlab.tracking import Tracker
 
 
 def group_count(cfg: DistillConfig) -> int:
     """Parallel drafters train K groups; the autoregressive baseline trains K = 1 (EAGLE)."""
-    return cfg.drafter.k if cfg.drafter.family == "parallel" else 1
+    return cfg.drafter.k if drafter_class(cfg.drafter.family).trains_groups else 1
 
 
 def frequent_tokens(train: datasets.Dataset, n: int, vocab: int, always: frozenset[int]) -> torch.Tensor:
@@ -52,20 +54,34 @@ def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -
     if spec.init_from:
         drafter = load_drafter(spec.init_from, target)
     else:
-        drafter = init_drafter(spec.family, target, k=spec.k, depth=spec.depth, seed=cfg.train.seed, vocab_size=spec.vocab_size)
+        drafter = init_drafter(spec.family, target, k=spec.k, depth=spec.depth, seed=cfg.train.seed,
+                               vocab_size=spec.vocab_size, aux_layers=spec.aux_layers)
         if spec.vocab_size:
             drafter.set_vocab(frequent_tokens(train, spec.vocab_size, target.vocab_size, target.eos_token_ids))
     return drafter.float().train()  # float32 master weights (autocast does the bf16 math)
 
 
-def teacher_states(target: Target, batch: Batch) -> torch.Tensor:
-    """(B, L, H) target last hidden states, from the cache or from the frozen target."""
-    if batch.hidden is not None:
+def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = None) -> torch.Tensor:
+    """(B, L, F) target features for `aux_layers` (`Target.features`: the states after the
+    aux layers, then the last hidden state), from the cache or from the frozen target."""
+    aux = tuple(aux_layers or ())
+    if batch.hidden is not None and batch.hidden.shape[-1] == (len(aux) + 1) * target.hidden_size:
         return batch.hidden.to(target.dtype)
     mask = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None] < batch.lengths[:, None]
     with torch.inference_mode():
-        out = target.model.get_decoder()(input_ids=batch.input_ids, attention_mask=mask.long())
-    return out.last_hidden_state.clone()  # clone: leave inference mode for autograd
+        feats = target.run_decoder(aux, input_ids=batch.input_ids, attention_mask=mask.long())
+    return feats.clone()  # clone: leave inference mode for autograd
+
+
+def usable_features(data: datasets.Dataset, cfg: DistillConfig, target: Target, drafter: DrafterNet) -> datasets.Dataset:
+    """`data` without its cached features when they are not the ones `drafter` fuses (another
+    `aux_layers`): training then runs the target for them. A last-state family reads the
+    last columns of any cache."""
+    want = drafter.cfg.aux_layers or []
+    cached = resolve_aux_layers(cfg.data.aux_layers, target.num_layers)
+    if "hidden" in data.column_names and want and want != cached:
+        return data.remove_columns("hidden")
+    return data
 
 
 def autocast(cfg: DistillConfig, device: torch.device):
@@ -137,7 +153,8 @@ def evaluate(module: DistillModule, target: Target, evalset: datasets.Dataset, c
     for i in range(0, len(rows), cfg.train.batch_size):
         batch = collate(rows[i : i + cfg.train.batch_size], k, cfg.train.max_seq_len, False, None).to(target.device)
         with autocast(cfg, target.device):
-            stats.add(loss_and_backward(module, module.drafter, batch, teacher_states(target, batch), cfg.train, k, backward=False))
+            feats = teacher_states(target, batch, module.drafter.cfg.aux_layers)
+            stats.add(loss_and_backward(module, module.drafter, batch, feats, cfg.train, k, backward=False))
     module.train()
     return stats
 
@@ -173,6 +190,7 @@ def train_fn_per_worker(config: dict) -> dict:
         drafter = build_drafter(cfg, target, train)
         optimizer = make_optimizer(drafter)
         state = {"step": 0, "epoch": 0, "batch": 0, "elapsed_s": 0.0, "tokens": 0}
+    train, evalset = (usable_features(d, cfg, target, drafter) for d in (train, evalset))
     resumed_from = state["step"]
     # Metrics MLflow had not received when the checkpoint was saved (an outage) go out first.
     tracker.restore(state.pop("tracking", None))
@@ -229,7 +247,7 @@ def train_fn_per_worker(config: dict) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps, elapsed / budget_s)
             with autocast(cfg, device):
-                stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch), cfg.train, k)
+                stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch, drafter.cfg.aux_layers), cfg.train, k)
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

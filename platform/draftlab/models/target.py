@@ -53,6 +53,26 @@ class Target:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    def features(self, out, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """(B, T, F) drafter features from a decoder output: the residual states after each
+        of `aux_layers` (run with `output_hidden_states`), then the last hidden state (after
+        the final norm). F = (len(aux_layers) + 1) * H."""
+        if not aux_layers:
+            return out.last_hidden_state
+        if any(not 0 <= i < self.num_layers for i in aux_layers):
+            raise ValueError(f"aux layers {list(aux_layers)} must lie in [0, {self.num_layers - 1}]")
+        # hidden_states[i] = after i layers (0 = embeddings); its last entry is normed, hence < L.
+        return torch.cat([out.hidden_states[i] for i in aux_layers] + [out.last_hidden_state], dim=-1)
+
+    def run_decoder(self, aux_layers: tuple[int, ...] = (), **kw) -> torch.Tensor:
+        """The decoder on `kw` (input_ids, positions, cache, ...): (B, T, F) `features`."""
+        out = self.model.get_decoder()(output_hidden_states=bool(aux_layers), **kw)
+        return self.features(out, aux_layers)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -60,8 +80,10 @@ class Target:
         positions: torch.Tensor,  # (T,) absolute positions
         cache: DynamicCache,
         rows: list | attention.RowPlan | None = None,  # keys per row; see attention.RowPlan
+        aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `ids` to `cache`; return logits (T, V) float32 and hidden (T, H).
+        """Append `ids` to `cache`; return logits (T, V) float32 and features (T, F) (the
+        last hidden state (T, H) without `aux_layers`; see `features`).
 
         A decode step (one token) and a verify block (`rows` given) use row-exact attention,
         so verified rows equal decoded rows bit for bit; a prefill (T > 1, no `rows`) is
@@ -71,21 +93,22 @@ class Target:
         if isinstance(rows, list):
             rows = attention.RowPlan.build(rows, self.device)
         extra = {} if rows is None else {"draftlab_rows": rows}
-        out = self.model.get_decoder()(
-            input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True, **extra
-        )
-        hidden = out.last_hidden_state[0]  # (T, H), after the final norm
-        return self.lm_head(hidden).float(), hidden
+        feats = self.run_decoder(
+            aux_layers, input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True, **extra
+        )[0]  # (T, F)
+        return self.lm_head(feats[:, -self.hidden_size :]).float(), feats
 
     @torch.inference_mode()
-    def forward_many(self, items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_many(
+        self, items: list[tuple], aux_layers: tuple[int, ...] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Several requests' blocks in one forward: items are (ids (T_i,), positions (T_i,),
         cache, rows) as `forward` takes them (`rows` as ints or a `RowPlan`). Every row keeps
         exactly the keys it sees alone (offset into the stacked caches), so each request's
-        logits and hidden states equal its own `forward`'s bit for bit."""
+        logits and features equal its own `forward`'s bit for bit."""
         if len(items) == 1:
             ids, positions, cache, rows = items[0]
-            return [self.forward(ids, positions, cache, rows)]
+            return [self.forward(ids, positions, cache, rows, aux_layers)]
         from draftlab.decoding.cache import StackedCache
 
         lengths = [ids.numel() for ids, *_ in items]
@@ -98,11 +121,10 @@ class Target:
         stacked = StackedCache([c for _, _, c, _ in items], lengths)
         ids = torch.cat([i for i, *_ in items])
         positions = torch.cat([p for _, p, *_ in items])
-        out = self.model.get_decoder()(input_ids=ids[None], position_ids=positions[None], past_key_values=stacked,
-                                       use_cache=True, draftlab_rows=plan)
-        hidden = out.last_hidden_state[0]  # (sum T_i, H)
-        logits = self.lm_head(hidden).float()
-        return list(zip(logits.split(lengths), hidden.split(lengths), strict=True))
+        feats = self.run_decoder(aux_layers, input_ids=ids[None], position_ids=positions[None],
+                                 past_key_values=stacked, use_cache=True, draftlab_rows=plan)[0]  # (sum T_i, F)
+        logits = self.lm_head(feats[:, -self.hidden_size :]).float()
+        return list(zip(logits.split(lengths), feats.split(lengths), strict=True))
 
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Token ids for `text`; wrapped in the chat template as a user turn when one exists."""

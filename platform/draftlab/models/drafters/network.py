@@ -1,12 +1,18 @@
 """The network shared by every drafter family, plus save/load.
 
 EAGLE-style input: the entry for token x_t pairs its (frozen, target) embedding with the
-target's last hidden state h_{t-1} (the state that produced x_t), fused by `fc`, and sits at
-position t. `depth` stock HF Llama decoder layers follow; the target's frozen LM head turns
-the result into logits. The target's embedding and head are *referenced*, never saved.
+target's states at t-1 (those that produced x_t), fused by `fc`, and sits at position t.
+`depth` stock HF Llama decoder layers follow; the target's frozen LM head turns the result
+into logits. The target's embedding and head are *referenced*, never saved.
 
-A family (one file each, see the registry) only decides how one drafting round uses it:
-`propose(state, tokens, hidden, k, pick) -> (draft_tokens (k,), logits (k, V))`.
+Target states ("features") arrive as `Target.forward` returns them for the drafter's
+`aux_layers`: (..., (n_aux + 1) * H), the residual states after each aux layer, then the
+last hidden state (after the final norm, what the target's head reads). Families without
+aux layers read the last H columns.
+
+A family (one file each, see the registry) decides how it fuses inputs (`fuse`,
+`mask_input`, `build_extra`) and how one drafting round uses the network:
+`propose(state, tokens, features, k, pick) -> (draft_tokens (k,), logits (k, V))`.
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ class DrafterConfig(BaseModel):
     vocab_size: int | None = None
     """VocabTrim: the head scores only these many target tokens (ids saved as the
     `vocab_ids` tensor); None = the full target vocabulary."""
+    aux_layers: list[int] | None = None
+    """Target layers whose residual states `fc` fuses (EAGLE-3 / P-EAGLE; vLLM's
+    `eagle_aux_hidden_state_layer_ids`); None = the last hidden state alone."""
+    mask_token_id: int | None = None
+    """P-EAGLE: the target token whose embedding every parallel slot takes (vLLM's
+    `ptd_token_id`)."""
 
 
 @dataclass
@@ -80,6 +92,10 @@ def _decoder_config(target: Target, depth: int) -> dict:
 
 class DrafterNet(nn.Module):
     family: str = "?"  # set by @register_drafter
+    trains_groups: bool = False
+    """True: trained on packed parallel groups of depth K (the masks); False: K = 1 (EAGLE)."""
+    uses_aux_features: bool = False
+    """True: fuses the target's states at `cfg.aux_layers` (the data cache keeps them)."""
 
     def __init__(self, cfg: DrafterConfig, target: Target):
         super().__init__()
@@ -88,21 +104,43 @@ class DrafterNet(nn.Module):
         # Frozen target modules kept outside the module tree: not saved, not trained,
         # not wrapped by DDP. Stored in a tuple so nn.Module does not register them.
         self._target_io = (target.embed, target.lm_head)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = nn.Linear(self.fc_inputs(hidden), hidden, bias=False)
         self.decoder = LlamaModel(LlamaConfig(**cfg.decoder))
         self.decoder.embed_tokens = None  # unused: inputs are fused embeddings
+        self.build_extra(cfg)
         if cfg.vocab_size:
             # Filled by `set_vocab` (training) or by the saved weights (loading).
             self.register_buffer("vocab_ids", torch.zeros(cfg.vocab_size, dtype=torch.long))
         self.to(device=target.device, dtype=target.dtype)
         self.refresh_head()
 
-    # -- building blocks -------------------------------------------------------------
-    def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """(...,) token ids + (..., H) target hidden states -> (..., H) decoder inputs."""
+    # -- building blocks (families override these) ------------------------------------
+    def fc_inputs(self, hidden: int) -> int:
+        """Width of `fc`'s input: [token embedding; last hidden state] here."""
+        return 2 * hidden
+
+    def build_extra(self, cfg: DrafterConfig) -> None:
+        """Family parameters beyond fc + decoder (mask embeddings, ...); none here."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.decoder["hidden_size"]
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose states `fuse` reads (`Target.forward(aux_layers=...)`)."""
+        return tuple(self.cfg.aux_layers or ())
+
+    def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """(...,) token ids + (..., F) target features -> (..., D) decoder inputs."""
         emb = self._target_io[0](tokens)  # (..., H)
-        x = torch.cat([emb, hidden.to(emb.dtype)], dim=-1)  # (..., 2H) in the target's dtype
+        last = features[..., -self.hidden_size :]  # (..., H) the last hidden state
+        x = torch.cat([emb, last.to(emb.dtype)], dim=-1)  # (..., 2H) in the target's dtype
         return self.fc(x.to(self.fc.weight.dtype))  # (..., H); float32 master weights in training
+
+    def mask_input(self, j: torch.Tensor) -> torch.Tensor:
+        """(...,) mask numbers (0 = the first parallel slot) -> (..., D) decoder inputs."""
+        raise NotImplementedError(f"drafter family {self.family!r} drafts no parallel slots")
 
     def forward(
         self,
@@ -167,21 +205,20 @@ class DrafterNet(nn.Module):
         full[..., self.vocab_ids] = small
         return full
 
-    def embed_nodes(self, tokens: torch.Tensor, hidden: torch.Tensor, mask_idx: torch.Tensor) -> torch.Tensor:
+    def embed_nodes(self, tokens: torch.Tensor, features: torch.Tensor, mask_idx: torch.Tensor) -> torch.Tensor:
         """Decoder inputs for packed training nodes.
 
-        tokens, mask_idx: (B, M); hidden: (B, M, H) target states for real nodes.
-        mask_idx[b, m] = j >= 0 selects mask embedding j; -1 = a real (token, hidden) node.
+        tokens, mask_idx: (B, M); features: (B, M, F) target states for real nodes.
+        mask_idx[b, m] = j >= 0 selects parallel slot j's input; -1 = a real (token, state) node.
         """
-        x = self.fuse(tokens, hidden)  # (B, M, H)
-        masks = getattr(self, "mask_embeddings", None)
-        if masks is None or masks.shape[0] == 0:
+        x = self.fuse(tokens, features)  # (B, M, D)
+        if not self.trains_groups or not bool((mask_idx >= 0).any()):
             return x
-        m = masks[mask_idx.clamp(min=0)]  # (B, M, H)
-        return torch.where((mask_idx >= 0)[..., None], m, x)  # (B, M, H)
+        m = self.mask_input(mask_idx.clamp(min=0)).to(x.dtype)  # (B, M, D)
+        return torch.where((mask_idx >= 0)[..., None], m, x)  # (B, M, D)
 
     def step(self, state: DraftState, x: torch.Tensor) -> torch.Tensor:
-        """Append (n, H) inputs at the next positions of `state`; return (n, H) outputs."""
+        """Append (n, D) inputs at the next positions of `state`; return (n, H) outputs."""
         n = x.shape[0]
         pos = torch.arange(state.pos, state.pos + n, device=x.device)[None]  # (1, n)
         h = self(x[None], pos, cache=state.cache)[0]  # (n, H)
@@ -196,12 +233,17 @@ class DrafterNet(nn.Module):
     def propose(
         self, state: DraftState, tokens: torch.Tensor, hidden: torch.Tensor, k: int, pick: Pick
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit the new entries (tokens (n,), hidden (n, H)) and draft k tokens.
+        """Commit the new entries (tokens (n,), features (n, F)) and draft k tokens.
 
         Returns (draft tokens (k,), draft logits (k, V)). Row j is the distribution for the
         (j+1)-th token after `tokens[-1]`. The cache keeps only the committed entries.
         """
         raise NotImplementedError
+
+    @classmethod
+    def configure(cls, cfg: DrafterConfig, target: Target) -> DrafterConfig:
+        """Fill family-specific config fields for a new drafter of `target` (none here)."""
+        return cfg
 
     def check_k(self, k: int) -> None:
         if k < 1:
@@ -221,9 +263,11 @@ class DrafterNet(nn.Module):
 
 
 def init_drafter(
-    family: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0, vocab_size: int | None = None
+    family: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0, vocab_size: int | None = None,
+    aux_layers: list[int] | None = None,
 ) -> DrafterNet:
-    """A freshly initialised (untrained) drafter of `family` for `target`."""
+    """A freshly initialised (untrained) drafter of `family` for `target` (`aux_layers`:
+    None = the family's default)."""
     from draftlab.models.drafters.registry import drafter_class
 
     cls = drafter_class(family)
@@ -237,7 +281,9 @@ def init_drafter(
         target_fingerprint=target.fingerprint,
         decoder=_decoder_config(target, depth),
         vocab_size=vocab_size,
+        aux_layers=aux_layers,
     )
+    cfg = cls.configure(cfg, target)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return cls(cfg, target).eval()

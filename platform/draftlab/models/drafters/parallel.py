@@ -1,9 +1,12 @@
 """ParallelSpec drafter: one forward pass drafts k tokens.
 
-The committed entries are followed by k-1 learnable mask embeddings at the next positions.
-The last real entry predicts the next token; mask j (at position pos+j) predicts the token
-j places further. The masks attend causally (to the context and earlier masks), exactly as
-the training group mask prescribes, and their KV rows are cropped after the round.
+The committed entries are followed by k-1 parallel slots at the next positions. The last
+real entry predicts the next token; slot j (at position pos+j) predicts the token j places
+further. The slots attend causally (to the context and earlier slots), exactly as the
+training group mask prescribes, and their KV rows are cropped after the round.
+
+This family gives each slot its own learnable input (k-1 mask embeddings); `p-eagle`
+(vLLM's parallel drafting) shares one input across slots and reuses this round.
 """
 
 from __future__ import annotations
@@ -13,32 +16,34 @@ from torch import nn
 
 from draftlab.models.drafters.network import DrafterConfig, DrafterNet, DraftState, Pick
 from draftlab.models.drafters.registry import register_drafter
-from draftlab.models.target import Target
 
 
 @register_drafter("parallel")
 class ParallelDrafter(DrafterNet):
-    def __init__(self, cfg: DrafterConfig, target: Target):
-        super().__init__(cfg, target)
-        hidden = cfg.decoder["hidden_size"]
+    trains_groups = True
+
+    def build_extra(self, cfg: DrafterConfig) -> None:
         # k-1 masks: the last real token already yields the first draft.
-        self.mask_embeddings = nn.Parameter(torch.randn(cfg.k - 1, hidden) * 0.02)
-        self.to(device=target.device, dtype=target.dtype)
+        self.mask_embeddings = nn.Parameter(torch.randn(cfg.k - 1, cfg.decoder["hidden_size"]) * 0.02)
+
+    def mask_input(self, j: torch.Tensor) -> torch.Tensor:
+        return self.mask_embeddings[j]  # (..., H)
 
     def check_k(self, k: int) -> None:
         super().check_k(k)
         if k > self.cfg.k:
-            raise ValueError(f"this parallel drafter has {self.cfg.k - 1} masks, so k <= {self.cfg.k} (got {k})")
+            raise ValueError(f"this {self.family} drafter was built for k <= {self.cfg.k} (got {k})")
 
     @torch.inference_mode()
-    def propose(self, state: DraftState, tokens, hidden, k: int, pick: Pick):
+    def propose(self, state: DraftState, tokens, features, k: int, pick: Pick):
         self.check_k(k)
         n = tokens.shape[0]
-        x = torch.cat([self.fuse(tokens, hidden), self.mask_embeddings[: k - 1]])  # (n + k-1, H)
+        slots = self.mask_input(torch.arange(k - 1, device=tokens.device))  # (k-1, D)
+        x = torch.cat([self.fuse(tokens, features), slots.to(self.fc.weight.dtype)])  # (n + k-1, D)
         h = self.step(state, x)  # (n + k-1, H)
         if k > 1:
-            state.cache.crop(-(k - 1))  # drop the mask rows: they are re-drafted next round
+            state.cache.crop(-(k - 1))  # drop the slot rows: they are re-drafted next round
             state.pos -= k - 1
-        logits = self.logits(h[n - 1 :])  # (k, V): last real entry, then the k-1 masks
+        logits = self.logits(h[n - 1 :])  # (k, V): last real entry, then the k-1 slots
         drafts = torch.tensor([pick(j, logits[j]) for j in range(k)], device=tokens.device)
         return drafts, logits

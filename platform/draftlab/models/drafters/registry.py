@@ -20,7 +20,7 @@ def register_drafter(name: str) -> Callable[[type], type]:
 
 def _load_builtin() -> None:
     # Importing the family modules registers them; done lazily so nothing runs at import.
-    from draftlab.models.drafters import autoregressive, parallel  # noqa: F401
+    from draftlab.models.drafters import autoregressive, p_eagle, parallel  # noqa: F401
 
 
 def available_drafters() -> list[str]:
