@@ -107,7 +107,8 @@ def _char_tokenizer(chars: list[str], specials: list[str], eos: str | None):
     return fast
 
 
-def _tiny_llama(chars: list[str], specials: list[str], eos: str | None, init_range: float, seed: int):
+def _tiny_llama(chars: list[str], specials: list[str], eos: str | None, init_range: float, seed: int,
+                hidden: int = 64, heads: int = 4, kv_heads: int = 2):
     def build(dtype: torch.dtype):
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,11 +117,11 @@ def _tiny_llama(chars: list[str], specials: list[str], eos: str | None, init_ran
             tok.chat_template = _TINY_TEMPLATE
         cfg = LlamaConfig(
             vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             max_position_embeddings=4096,
             # Wider init than HF's 0.02 so random logits are spread out: greedy argmax
             # is then far from ties and sampled distributions are far from uniform.
@@ -146,6 +147,8 @@ PRESETS: dict[str, Callable] = {
     "smollm2-135m": _smollm2,
     # ~100-token char vocabulary with chat template and EOS: engine, bench and API tests.
     "tiny-llama": _tiny_llama(_PRINTABLE, _SPECIALS, "</s>", init_range=0.25, seed=0),
+    # The same with head_dim 64: vLLM's CPU attention has no kernel for head_dim 16.
+    "tiny-llama-vllm": _tiny_llama(_PRINTABLE, _SPECIALS, "</s>", init_range=0.25, seed=0, hidden=128, heads=2, kv_heads=1),
     # 8-token vocabulary, no EOS: exact enumeration of 3-token continuations (8^3 = 512)
     # for the lossless-sampling test.
     "tiny-llama-v8": _tiny_llama(list("abcdefg"), ["<s>"], None, init_range=0.6, seed=1),
