@@ -158,3 +158,25 @@ def test_distill_cli_rejects_bad_config_and_overrides(tmp_path, capsys):
 def test_runs_lists_nothing_on_a_fresh_store(tmp_path, capsys):
     assert main(["runs", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 0
     assert "run" in capsys.readouterr().out.lower()
+
+
+def test_near_tie_reports_the_targets_own_logits_at_a_mismatch(tiny, tiny_prompts):
+    """Where two greedy outputs differ, the bench reports the target's logits for both tokens
+    (our engine, same prefix) and its top-2 gap: a near-tie shows engines' numerics decided."""
+    import torch
+
+    from draftlab.bench import _near_tie
+    from draftlab.config import SamplingParams
+    from draftlab.decoding.engine import autoregressive_generate
+
+    prompt = tiny_prompts[0]
+    a = autoregressive_generate(tiny, prompt, SamplingParams(max_new_tokens=8)).tokens
+    b = a[:3] + [(a[3] + 1) % tiny.vocab_size] + a[4:]
+    tie = _near_tie(tiny, prompt, a, b, 3)
+    ids = torch.tensor(prompt + a[:3])
+    logits, _ = tiny.forward(ids, torch.arange(ids.numel()), tiny.new_cache())
+    assert tie["tokens"] == [a[3], b[3]]
+    assert tie["logits"][0] == pytest.approx(float(logits[-1, a[3]]))
+    assert tie["margin"] == pytest.approx(float(logits[-1, a[3]] - logits[-1, b[3]]))  # a is the greedy token
+    assert tie["top2_gap"] >= 0 and tie["margin"] >= tie["top2_gap"]
+    assert _near_tie(tiny, prompt, a, a[:3], 3) == {"tokens": [a[3], None]}

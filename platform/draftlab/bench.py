@@ -1,13 +1,20 @@
-"""`draftlab bench`: target-only vs speculative decoding, side by side, in one process.
+"""`draftlab bench`: target-only vs speculative decoding, side by side.
 
-Every method decodes the same prompts with the same sampling settings. After a warm-up the
-methods are interleaved prompt by prompt, so machine noise hits them alike, and every
-ratio is taken against our own KV-cached target-only loop (`ar`) from the same run.
+Every method decodes the same prompts with the same sampling settings. After a warm-up our
+engine's methods are interleaved prompt by prompt, so machine noise hits them alike, and
+every ratio is taken against our own KV-cached target-only loop (`ar`) from the same run.
+
+The `vllm_*` methods cannot be interleaved with ours: each is a vLLM engine, a separate
+process holding the weights and a KV-cache reservation. After our methods, each engine runs
+as one block over all prompts (after the same warm-up), one engine alive at a time and
+closed before the next starts; `vllm_ar` (vLLM target-only) runs first and is the second
+baseline (`speedup_vs_vllm_ar`, `vllm_greedy_identical`). The report's `vllm_order` says so.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -17,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftlab.config import BenchConfig, SamplingParams
+from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import Tree, load_tree
@@ -25,6 +32,9 @@ from draftlab.decoding.tree_search import searched_budget
 from draftlab.hardware import describe_device, sync
 from draftlab.models.drafters.network import DrafterNet, resolve_drafter
 from draftlab.models.target import Target, load_target
+from draftlab.vllm_offline import SpecCounters
+
+VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab")  # in the order their engines run
 
 
 @dataclass
@@ -35,6 +45,7 @@ class Run:
     per_position_acceptance: list[float] | None = None
     draft_s: float = 0.0
     verify_s: float = 0.0
+    spec: SpecCounters | None = None  # vLLM's counters for this request (vllm_* only)
 
 
 def _hf_runner(target: Target, params: SamplingParams, **extra) -> Callable[[list[int]], Run]:
@@ -87,19 +98,28 @@ def _summarise(runs: list[tuple[str, Run]]) -> dict:
         fwd = sum(r.forwards for r in items)
         # tau: tokens per target forward after the prefill (which yields the first token).
         tau = (toks - len(items)) / fwd if fwd else 1.0
-        return {"tokens_per_s": toks / secs if secs else 0.0, "tau": tau, "tokens": toks, "seconds": secs, "forwards": fwd}
+        out = {"tokens_per_s": toks / secs if secs else 0.0, "tau": tau, "tokens": toks, "seconds": secs, "forwards": fwd}
+        spec = [r.spec for r in items if r.spec is not None]
+        if spec:  # vLLM: its mean acceptance length over rounds that had drafts, bonus included
+            total = sum(spec, SpecCounters())
+            out |= {"tau": total.tau, "drafts": total.drafts, "draft_tokens": total.draft_tokens,
+                    "accepted_tokens": total.accepted}
+            if total.drafts:
+                out["per_position_acceptance"] = [a / total.drafts for a in total.accepted_per_position]
+            return out
+        acc = [r.per_position_acceptance for r in items if r.per_position_acceptance]
+        if acc:  # ours: the mean over prompts of each prompt's rate
+            width = max(len(a) for a in acc)
+            out["per_position_acceptance"] = [sum(a[j] for a in acc if j < len(a)) / len(acc) for j in range(width)]
+        return out
 
     by_cat: dict[str, list[Run]] = defaultdict(list)
     for cat, r in runs:
         by_cat[cat].append(r)
     out = agg([r for _, r in runs])
-    out["by_category"] = {c: {k: v for k, v in agg(rs).items() if k in ("tokens_per_s", "tau")} for c, rs in sorted(by_cat.items())}
-    acc = [r.per_position_acceptance for _, r in runs if r.per_position_acceptance]
-    if acc:
-        width = max(len(a) for a in acc)
-        out["per_position_acceptance"] = [
-            sum(a[j] for a in acc if j < len(a)) / len(acc) for j in range(width)
-        ]
+    keep = ("tokens_per_s", "tau", "per_position_acceptance")
+    out["by_category"] = {c: {k: v for k, v in agg(rs).items() if k in keep} for c, rs in sorted(by_cat.items())}
+    if any(r.per_position_acceptance for _, r in runs):
         out["draft_s"] = sum(r.draft_s for _, r in runs)
         out["verify_s"] = sum(r.verify_s for _, r in runs)
     return out
@@ -109,7 +129,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Load the target (and drafter) named in `cfg`, run every method, return the report."""
     target = load_target(cfg.target)
     drafter = None
-    if cfg.drafter is not None and any(m.startswith("draftlab_") for m in cfg.methods):
+    if cfg.drafter is not None and any(m.startswith("draftlab_") or m == "vllm_draftlab" for m in cfg.methods):
         saved = None if cfg.drafter.startswith("init:") else Path(cfg.drafter)
         if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
             cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
@@ -134,13 +154,21 @@ def bench_loaded(
     `trees` adds one method per named tree, `draftlab_tree:<name>`, interleaved with the
     others: a sweep measures all of a drafter's trees against one `ar` baseline.
     """
+    with tempfile.TemporaryDirectory(prefix="draftlab-bench-") as work:  # vllm_draftlab's export
+        return _bench(target, drafter, cfg, progress, trees or {}, Path(work))
+
+
+def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool, trees: dict[str, Tree],
+           work: Path) -> dict:
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
-    trees = trees or {}
-    methods = ["ar"] + [m for m in cfg.methods if m != "ar"] + [f"draftlab_tree:{name}" for name in trees]
+    ours = [m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)]
+    methods = ["ar"] + ours + [f"draftlab_tree:{name}" for name in trees]
     spec_methods = [m for m in methods if m.startswith("draftlab_")]
     if spec_methods and drafter is None:
         raise ValueError(f"methods {spec_methods} need a drafter (--drafter PATH or init:<family>)")
+    encoded = [(p, target.encode_prompt(p.text)) for p in prompts]
+    vllm_plan = _vllm_plan(target, drafter, cfg, encoded, work)  # before any decoding: fail fast
 
     runners: dict[str, Callable[[list[int]], Run]] = {
         "ar": _engine_runner(lambda p, sp: autoregressive_generate(target, p, sp), params),
@@ -160,7 +188,6 @@ def bench_loaded(
         for name, named in trees.items():
             runners[f"draftlab_tree:{name}"] = _engine_runner(SpeculativeDecoder(target, drafter, named).generate, params)
 
-    encoded = [(p, target.encode_prompt(p.text)) for p in prompts]
     for _, ids in encoded[: cfg.warmup]:  # untimed: first-call allocations, lazy inits
         for m in methods:
             runners[m](ids)
@@ -173,18 +200,27 @@ def bench_loaded(
             runs[m].append((p.category, runners[m](ids)))
             bar.update()
     bar.close()
+    vllm_runs, vllm_info = _run_vllm(vllm_plan, target, cfg, params, encoded, progress)
+    runs |= vllm_runs
 
     ar_tokens = [r.tokens for _, r in runs["ar"]]
     identical = params.greedy and all(
         [r.tokens for _, r in runs[m]] == ar_tokens for m in spec_methods
     ) and bool(spec_methods)
     summary = {m: _summarise(rs) for m, rs in runs.items()}
-    ar_tps = summary["ar"]["tokens_per_s"]
-    for s in summary.values():
-        s["speedup_vs_ar"] = s["tokens_per_s"] / ar_tps if ar_tps else 0.0
+    _add_speedups(summary, "ar")
+    if vllm_runs:
+        _add_speedups(summary, "vllm_ar")
+    vllm_spec = [m for m in vllm_runs if m != "vllm_ar"]
+    mismatches = [
+        {"method": m, "prompt": i, "position": pos, **_near_tie(target, encoded[i][1], a.tokens, b.tokens, pos)}
+        for m in vllm_spec
+        for i, ((_, a), (_, b)) in enumerate(zip(runs["vllm_ar"], runs[m], strict=True))
+        if (pos := _first_difference(a.tokens, b.tokens)) is not None
+    ] if params.greedy else []
     report = {
         "target": target.name,
-        "drafter": cfg.drafter if spec_methods else None,
+        "drafter": cfg.drafter if spec_methods or "vllm_draftlab" in vllm_runs else None,
         "device": describe_device(target.device),
         "prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
@@ -198,6 +234,14 @@ def bench_loaded(
         "hf_generate_matches_ar": (
             params.greedy and "hf_generate" in runs and [r.tokens for _, r in runs["hf_generate"]] == ar_tokens
         ),
+        # vLLM with speculation vs vLLM target-only, greedy: mismatches name method, prompt
+        # index and first differing token position.
+        "vllm_greedy_identical": params.greedy and bool(vllm_spec) and not mismatches,
+        "vllm_greedy_checked": params.greedy and bool(vllm_spec),
+        "vllm_greedy_mismatches": mismatches,
+        "vllm_ar_matches_ar": params.greedy and "vllm_ar" in runs and [r.tokens for _, r in runs["vllm_ar"]] == ar_tokens,
+        "vllm_order": {"interleaved": methods, "blocks": list(vllm_runs), "warmup_requests": cfg.warmup} if vllm_runs else None,
+        "vllm": vllm_info,
         "torch": torch.__version__,
         "methods": summary,
     }
@@ -207,19 +251,129 @@ def bench_loaded(
     return report
 
 
+def _add_speedups(summary: dict, base: str) -> None:
+    """`speedup_vs_<base>` for every method, overall and per prompt category."""
+    key, b = f"speedup_vs_{base}", summary[base]
+    for s in summary.values():
+        s[key] = s["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
+        for cat, c in s["by_category"].items():
+            bc = b["by_category"].get(cat, {}).get("tokens_per_s")
+            c[key] = c["tokens_per_s"] / bc if bc else 0.0
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix), or None."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return None if i == len(a) == len(b) else i
+
+
+@torch.inference_mode()
+def _near_tie(target: Target, prompt: list[int], a: list[int], b: list[int], pos: int) -> dict:
+    """Where two greedy outputs first differ: the target's own logits there (our engine,
+    the common prefix) for both tokens, and the gap between its top two. A near-tie (a gap
+    of a bf16 rounding step or so) shows the engines' numerics, not a wrong draft, decided."""
+    if pos >= min(len(a), len(b)):  # one output stopped earlier (EOS): nothing to compare
+        return {"tokens": [a[pos] if pos < len(a) else None, b[pos] if pos < len(b) else None]}
+    ids = torch.tensor(prompt + a[:pos], device=target.device)
+    logits, _ = target.forward(ids, torch.arange(ids.numel(), device=target.device), target.new_cache())
+    last = logits[-1]  # (V,)
+    top = last.topk(2).values
+    return {"tokens": [a[pos], b[pos]], "logits": [float(last[a[pos]]), float(last[b[pos]])],
+            "margin": abs(float(last[a[pos]] - last[b[pos]])), "top2_gap": float(top[0] - top[1])}
+
+
+def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, encoded: list, work: Path) -> dict:
+    """{vllm method: its speculative_config (None = target only)} in run order, `vllm_ar`
+    first; {} without vLLM methods. Checks what would otherwise fail after minutes of
+    decoding: vLLM installed, prompts fit `vllm.max_model_len`, the drafter exports."""
+    asked = [m for m in VLLM_METHODS if m in cfg.methods]
+    if not asked:
+        return {}
+    from draftlab.vllm_offline import require_vllm
+
+    try:
+        require_vllm()
+    except ImportError as e:
+        raise ConfigError(f"methods {asked}: {e}") from None
+    longest = max((len(ids) for _, ids in encoded), default=0)
+    if longest + cfg.max_new_tokens > cfg.vllm.max_model_len:
+        raise ConfigError(f"vllm.max_model_len={cfg.vllm.max_model_len} is shorter than the longest prompt "
+                          f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
+    plan: dict[str, dict | None] = {"vllm_ar": None}
+    if "vllm_ngram" in asked:
+        plan["vllm_ngram"] = {"method": "ngram", "num_speculative_tokens": cfg.k or 4,
+                              "prompt_lookup_max": cfg.vllm.ngram_max, "prompt_lookup_min": cfg.vllm.ngram_min}
+    if "vllm_draftlab" in asked:
+        if drafter is None:
+            raise ValueError("method vllm_draftlab needs a drafter (--drafter PATH or init:p-eagle)")
+        from draftlab.export import VLLM_FAMILIES, export_vllm, vllm_speculative_config
+
+        if drafter.family not in VLLM_FAMILIES:
+            raise ValueError(f"method vllm_draftlab: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
+                             f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
+        # The drafter in memory is the one measured (a saved dir or init:), so export that.
+        saved = drafter.save(work / "drafter")
+        plan["vllm_draftlab"] = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), cfg.k or drafter.cfg.k)
+    return plan
+
+
+def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingParams, encoded: list, progress: bool
+              ) -> tuple[dict[str, list[tuple[str, Run]]], dict | None]:
+    """Each planned engine as one block over all prompts after the warm-up, one alive at a time."""
+    if not plan:
+        return {}, None
+    from draftlab.export import vllm_target_dir
+    from draftlab.vllm_offline import VllmEngine, require_vllm
+
+    model_dir = vllm_target_dir(target)
+    runs: dict[str, list[tuple[str, Run]]] = {}
+    startup: dict[str, float] = {}
+    bar = tqdm(total=len(encoded) * len(plan), desc="bench vllm", disable=not progress, unit="run")
+    for method, spec in plan.items():
+        bar.set_postfix_str(f"{method}: starting engine")
+        with VllmEngine(model_dir, dtype=target.dtype, max_model_len=cfg.vllm.max_model_len,
+                        memory_fraction=cfg.vllm.memory_fraction, enforce_eager=cfg.vllm.enforce_eager,
+                        speculative_config=spec, seed=cfg.seed) as llm:
+            startup[method] = llm.startup_s
+
+            def run(ids: list[int]) -> Run:
+                r = llm.generate(ids, params.max_new_tokens, params.temperature, params.top_p, params.seed)  # noqa: B023
+                # target forwards after the prefill: each yields 1 + its accepted drafts
+                return Run(r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec)
+
+            for _, ids in encoded[: cfg.warmup]:
+                run(ids)
+            runs[method] = []
+            for p, ids in encoded:
+                bar.set_postfix_str(f"{p.category}:{method}")
+                runs[method].append((p.category, run(ids)))
+                bar.update()
+    bar.close()
+    info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
+            **cfg.vllm.model_dump(), "startup_s": startup, "speculative_config": plan}
+    return runs, info
+
+
 def render_table(report: dict) -> str:
     """A readable summary table (rich), one row per method."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"draftlab bench: {report['target']} on {report['device']}")
-    for col in ("method", "tokens/s", "tau", "speedup vs ar"):
+    vllm = report.get("vllm") is not None
+    for col in ("method", "tokens/s", "tau", "speedup vs ar") + (("speedup vs vllm_ar",) if vllm else ()):
         table.add_column(col, justify="right" if col != "method" else "left")
     for m, s in report["methods"].items():
-        table.add_row(m, f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", f"{s['speedup_vs_ar']:.2f}x")
+        extra = (f"{s['speedup_vs_vllm_ar']:.2f}x",) if vllm else ()
+        table.add_row(m, f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", f"{s['speedup_vs_ar']:.2f}x", *extra)
     console = Console(record=True, width=100)
     with console.capture() as cap:
         console.print(table)
-        ident = report["greedy_identical"] if report["greedy_checked"] else "n/a (sampling)"
+        ident = report["greedy_identical"] if report["greedy_checked"] else (
+            "n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
         console.print(f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}")
+        if vllm:
+            vident = report["vllm_greedy_identical"] if report["vllm_greedy_checked"] else "n/a"
+            console.print(f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: {report['vllm_ar_matches_ar']}   "
+                          f"vLLM engines ran after ours, one block each: {', '.join(report['vllm_order']['blocks'])}")
     return cap.get()

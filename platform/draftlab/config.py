@@ -61,6 +61,30 @@ class SamplingParams(StrictModel):
         return self.temperature == 0.0
 
 
+class VllmBenchSpec(StrictModel):
+    """The vLLM engines of `draftlab bench`'s `vllm_*` methods (one engine per method)."""
+
+    memory_fraction: float = Field(0.2, gt=0.0, le=0.95)
+    """vLLM's `gpu_memory_utilization`; on the CPU backend the fraction of the NUMA node's RAM
+    reserved for weights + KV cache (start-up fails when less is free)."""
+    enforce_eager: bool = True
+    """Skip vLLM's torch.compile warm-up. Measured for SmolLM2-135M on 2 CPU cores: start-up
+    ~15-40 s eager vs ~60-90 s compiled (vLLM 0.29's compile cache fails to reload with torch
+    2.13, so every start compiles), decoding ~12% slower (24.5 vs 28 tok/s)."""
+    max_model_len: int = Field(2048, ge=16)
+    """Longest prompt + completion an engine accepts (sizes its KV cache)."""
+    ngram_min: int = Field(2, ge=1)
+    """`vllm_ngram`: shortest prompt n-gram matched (`prompt_lookup_min`)."""
+    ngram_max: int = Field(4, ge=1)
+    """`vllm_ngram`: longest prompt n-gram matched (`prompt_lookup_max`)."""
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> VllmBenchSpec:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+
 class BenchConfig(StrictModel):
     """`draftlab bench`: side-by-side speed of target-only and speculative decoding."""
 
@@ -77,8 +101,9 @@ class BenchConfig(StrictModel):
     max_new_tokens: int = Field(128, ge=1, le=32768)
     """New tokens per prompt."""
     k: int | None = Field(None, ge=1, le=64)
-    """Draft length for the chain method (<= the drafter's trained K for `parallel`);
-    None = the drafter's K (4 for an `init:` drafter)."""
+    """Draft length for the chain method and `vllm_draftlab` (<= the drafter's trained K for
+    `parallel`); None = the drafter's K (4 for an `init:` drafter). Also `vllm_ngram`'s
+    `num_speculative_tokens` (None = 4)."""
     depth: int = Field(1, ge=1, le=32)
     """Decoder layers of an `init:` drafter (a saved drafter keeps its own)."""
     tree: str | None = None
@@ -94,12 +119,19 @@ class BenchConfig(StrictModel):
     """Seed for sampling and for `init:` drafter weights."""
     warmup: int = Field(1, ge=0)
     """Untimed prompts run per method before timing."""
-    methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]] = Field(
+    methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree",
+                          "vllm_ar", "vllm_ngram", "vllm_draftlab"]] = Field(
         default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
     )
-    """Which methods to run; `ar` is always run because every speedup is relative to it."""
+    """Which methods to run; `ar` is always run because every speedup is relative to it, and
+    `vllm_ar` whenever another `vllm_*` method is (vLLM target-only, for `speedup_vs_vllm_ar`
+    and `vllm_greedy_identical`). `vllm_*` need vLLM installed and are not in the default
+    because each engine's start-up costs ~20 s to minutes; `vllm_draftlab` exports the
+    drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """`prompt_lookup_num_tokens` for transformers' prompt-lookup decoding."""
+    vllm: VllmBenchSpec = Field(default_factory=VllmBenchSpec)
+    """vLLM engine settings for the `vllm_*` methods."""
     json_out: str | None = None
     """Write the JSON report here."""
 

@@ -40,7 +40,7 @@ def test_shipped_sweeps_validate(path):
     ("doc", "msg"),
     [
         ({"space": {"drafter.kk": [2, 3]}}, "drafter.kk"),
-        ({"space": {"drafter.family": ["medusa"]}}, "unknown drafter family 'medusa' (allowed: autoregressive, parallel)"),
+        ({"space": {"drafter.family": ["medusa"]}}, "unknown drafter family 'medusa' (allowed: autoregressive, p-eagle, parallel)"),
         ({"space": {"train.lr": {"loguniform": [1e-4, 1e-3]}}}, "grid search needs a list"),
         ({"space": {"train.lr": {"normal": [0, 1]}}}, "uniform"),
         ({"space": {"drafter.k": []}}, "empty"),
@@ -50,6 +50,8 @@ def test_shipped_sweeps_validate(path):
         ({"colour": "blue"}, "colour: unknown key"),
         ({"space": {"data.max_new_tokens": [64, 96]}}, "trials share one target, dataset"),
         ({"asha": {"reduction_factor": 1}}, "asha.reduction_factor"),
+        ({"objective": "vllm", "trees": ["chain", "searched-4"]}, "objective vllm measures chains only"),
+        ({"objective": "sglang"}, "objective"),
     ],
 )
 def test_bad_sweeps_name_the_file_and_field(tmp_path, doc, msg):

@@ -80,3 +80,23 @@ def test_bench_measures_named_trees_side_by_side(tiny, tmp_path):
 def test_sweep_cli_errors_are_clear(args, msg, tmp_path, capsys):
     assert main([a.replace("{tmp}", str(tmp_path)) for a in args]) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_vllm_objective_ranks_by_the_speedup_vllm_measures(tmp_path):
+    """`objective: vllm`: each chain's k is exported and measured in vLLM against `vllm_ar`
+    (real vLLM on CPU, a tiny head_dim-64 target); the row's speedup is vLLM's."""
+    pytest.importorskip("vllm")
+    from draftlab.config import DistillConfig
+    from draftlab.models.drafters import init_drafter
+    from draftlab.models.target import load_target
+    from draftlab.sweep.trial import _bench_trees
+
+    target = load_target("tiny-llama-vllm")
+    init_drafter("p-eagle", target, k=3, depth=1).save(tmp_path / "d")
+    cfg = DistillConfig.model_validate({"target": {"name": "tiny-llama-vllm", "dtype": "float32"}, "drafter": {"family": "p-eagle", "k": 3},
+                                        "output_dir": str(tmp_path / "d"), "bench": {"limit": 2, "max_new_tokens": 8}})
+    out = _bench_trees(cfg.model_dump(mode="json"), ["chain-2"], "vllm")["chain-2"]
+    assert out["objective"] == "vllm" and out["tree_depth"] == 2 and out["greedy_identical"] is True
+    assert out["speedup_vs_ar"] > 0 and out["tau"] >= 1.0

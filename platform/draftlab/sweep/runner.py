@@ -201,7 +201,8 @@ def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: 
     if not restore:
         parent.log_params({"sweep": sweep.model_dump(mode="json"), "base_config": state["source"]})
     ctx = SweepContext(sweep=sweep.name, base=base, trees=sweep.trees, trainings=str(trainings),
-                       data_path=state["data_path"], tracking_uri=uri, experiment=sweep.experiment, parent_run_id=parent_id)
+                       data_path=state["data_path"], tracking_uri=uri, experiment=sweep.experiment, parent_run_id=parent_id,
+                       objective=sweep.objective)
     trainable, tune_config, callbacks, concurrency = _tuner_parts(sweep, base, ctx, progress)
     exp_dir.mkdir(parents=True, exist_ok=True)
     (exp_dir / STATE_FILE).write_text(json.dumps(state | {"parent_run_id": parent_id}, indent=2) + "\n")

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from draftlab.config import (
     ConfigError,
@@ -60,6 +60,11 @@ class AshaSpec(StrictModel):
     """Most evaluations a training reports (rungs sit at grace_period x reduction_factor^i < max_t)."""
 
 
+def is_chain_name(tree: str) -> bool:
+    """`chain` (the drafter's K) or `chain-<k>`."""
+    return tree == "chain" or re.fullmatch(r"chain-[1-9][0-9]*", tree) is not None
+
+
 class SweepConfig(StrictModel):
     """`draftlab sweep -c sweeps/X.yaml`."""
 
@@ -75,6 +80,12 @@ class SweepConfig(StrictModel):
     """Tree shapes evaluated for every trained drafter: `chain` (the drafter's K),
     `chain-<k>`, a preset name, or `searched-<n>` (the best n-node tree from the drafter's
     held-out rank acceptance)."""
+    objective: Literal["draftlab", "vllm"] = "draftlab"
+    """The speedup trials are ranked by (`speedup_vs_ar` in results): `draftlab` = our
+    engine against our target-only loop (trees included); `vllm` = the drafter exported to
+    vLLM (`draftlab export`) against vLLM target-only decoding, the speedup users get when
+    they deploy on vLLM (chains only: `trees` must be `chain` or `chain-<k>`; p-eagle
+    drafters; needs the vllm extra)."""
     search: SearchSpec = Field(default_factory=SearchSpec)
     """The search algorithm."""
     asha: AshaSpec | None = None
@@ -112,12 +123,21 @@ class SweepConfig(StrictModel):
                 )
         return space
 
+    @model_validator(mode="after")
+    def _vllm_runs_chains(self) -> SweepConfig:
+        if self.objective == "vllm":
+            bad = [t for t in self.trees if not is_chain_name(t)]
+            if bad:
+                raise ValueError(f"trees {bad}: objective vllm measures chains only (vLLM verifies no static trees); "
+                                 f"use chain or chain-<k>")
+        return self
+
     @field_validator("trees")
     @classmethod
     def _trees(cls, trees: list[str]) -> list[str]:
         presets = [t for t in available_trees() if "<" not in t]
         for t in trees:
-            if t != "chain" and not re.fullmatch(r"chain-[1-9][0-9]*", t) and searched_budget(t) is None and t not in presets:
+            if not is_chain_name(t) and searched_budget(t) is None and t not in presets:
                 raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)})")
         return trees
 

