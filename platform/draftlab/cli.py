@@ -9,6 +9,7 @@
     draftlab promote RUN_ID
     draftlab runs
     draftlab serve -c serving/smollm2-135m.yaml | --model-uri URI | --target T --drafter DIR
+    draftlab serve --engine vllm -c serving/smollm2-135m-vllm.yaml     (vLLM via Ray Serve LLM)
     draftlab serve --status | --shutdown
     draftlab loadtest --url http://127.0.0.1:8000/v1 --concurrency 1,4,16 --speculation on,off
     draftlab pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml | --quick
@@ -16,6 +17,7 @@
     draftlab jobs list | logs ID [--follow] | status ID | stop ID
     draftlab report .draftlab/pipelines/smollm2-135m-cpu | SWEEP_DIR | RUN_ID
     draftlab generate [--check]
+    draftlab export DRAFTER OUT [--format vllm]
 
 Bad input exits with status 2 and one clear message, never a traceback.
 """
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
-    b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
+    b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}, or vLLM's "
+                   "vllm_ar, vllm_ngram, vllm_draftlab (not in the default: each vLLM engine starts in ~20 s to minutes)")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
@@ -108,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="serve a drafter/target pair behind an OpenAI-compatible Ray Serve endpoint")
     v.add_argument("-c", "--config", default=None, help="Serve config file (see serving/)")
+    v.add_argument("--engine", choices=["draftlab", "vllm"], default=None, help="draftlab: our engine (trees, "
+                   "auto policy, exact greedy identity); vllm: vLLM via Ray Serve LLM (P-EAGLE drafters). "
+                   "Default draftlab, or the -c file's")
     v.add_argument("--model-uri", default=None, help="MLflow model URI (default: models:/draftlab-<target>-drafter@champion)")
     v.add_argument("--target", default=None, help="target preset, hub id, local dir or .gguf (with --drafter, or to name the champion)")
     v.add_argument("--drafter", default=None, help="drafter directory or init:<family> instead of a model URI")
@@ -169,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="regenerate docs/configuration.md and infra/k8s/rayservice-*.yaml")
     g.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is stale")
 
+    ex = sub.add_parser("export", help="write a p-eagle drafter in vLLM's EAGLE-3 / P-EAGLE layout")
+    ex.add_argument("drafter", help="a saved drafter directory (family p-eagle)")
+    ex.add_argument("out", help="output directory (replaced)")
+    ex.add_argument("--format", default="vllm", choices=["vllm"], help="vllm: speculative_config method eagle3, parallel_drafting")
+
     r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
     r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
     r.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
@@ -226,6 +237,7 @@ def _promote(a: argparse.Namespace) -> None:
 
 def _serve(a: argparse.Namespace) -> None:
     from draftlab.serve import control
+    from draftlab.serve.vllm_app import VllmServeArgs
 
     if a.status or a.shutdown:
         print(json.dumps(control.status(), indent=2) if a.status else control.shutdown(a.name))
@@ -238,14 +250,22 @@ def _serve(a: argparse.Namespace) -> None:
         spec = control.load_serve_config(a.config)
     else:
         from draftlab.serve.app import build_app
+        from draftlab.serve.vllm_app import build_vllm_app
 
-        spec = {"builder": build_app, "args": ServeArgs(), "name": control.DEFAULT_APP, "route_prefix": "/",
+        builder, args = (build_vllm_app, VllmServeArgs()) if a.engine == "vllm" else (build_app, ServeArgs())
+        spec = {"builder": builder, "args": args, "name": control.DEFAULT_APP, "route_prefix": "/",
                 "host": "127.0.0.1", "port": 8000}
+    vllm = isinstance(spec["args"], VllmServeArgs)
+    if a.engine and a.engine != ("vllm" if vllm else "draftlab"):
+        raise ConfigError(f"{a.config} serves with --engine {'vllm' if vllm else 'draftlab'}, not --engine {a.engine}")
+    if vllm and a.tree:
+        raise ConfigError("--tree needs --engine draftlab: vLLM verifies a chain of num_speculative_tokens")
     flags = {"model_uri": a.model_uri, "drafter": a.drafter, "tracking_uri": a.tracking_uri,
-             "engine.tree": a.tree, "engine.speculation": a.speculation} | ({"target.name": a.target} if a.target else {})
+             "engine.tree": a.tree, ("speculation" if vllm else "engine.speculation"): a.speculation} | (
+                {"target.name": a.target} if a.target else {})
     data = apply_dotted(spec["args"].model_dump(exclude_unset=True), {k: v for k, v in flags.items() if v is not None}
                         | parse_overrides(a.overrides))
-    spec["args"] = ServeArgs.model_validate(data)
+    spec["args"] = type(spec["args"]).model_validate(data)
     spec |= {k: v for k, v in {"host": a.host, "port": a.port, "name": a.name}.items() if v is not None}
     control.deploy(spec, blocking=False if a.detach else None)
 
@@ -324,6 +344,14 @@ def _runs(a: argparse.Namespace) -> None:
     print(format_runs_table(list_runs(a.tracking_uri, a.experiment, a.limit)))
 
 
+def _export(a: argparse.Namespace) -> None:
+    from draftlab.export import export_vllm, vllm_speculative_config
+
+    out = export_vllm(a.drafter, a.out)
+    k = json.loads((out / "draftlab.json").read_text())["k"]
+    print(f"wrote {out}; vLLM: speculative_config={json.dumps(vllm_speculative_config(out, k))}")
+
+
 def _bench(a: argparse.Namespace) -> None:
     from draftlab.bench import render_table, run_bench
 
@@ -347,7 +375,7 @@ def _profile(a: argparse.Namespace) -> None:
 
 COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs,
             "serve": _serve, "loadtest": _loadtest, "pipeline": _pipeline, "submit": _submit, "jobs": _jobs, "report": _report,
-            "generate": _generate}
+            "generate": _generate, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:

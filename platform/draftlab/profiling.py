@@ -80,7 +80,7 @@ def profile_target(target: Target, context: int, sizes: list[int], repeats: int)
 def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
     """Median ms of one drafting round of k tokens (one new committed entry) after `context`."""
     dev, target_dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-    hidden = drafter.cfg.decoder["hidden_size"]
+    hidden = drafter.feature_size
     ctx_tok = torch.randint(0, drafter.target_vocab_size, (context,), generator=torch.Generator().manual_seed(0)).to(dev)
     state = drafter.new_state()
     drafter.propose(state, ctx_tok, torch.zeros(context, hidden, device=dev, dtype=target_dtype), 1, _argmax)
@@ -101,7 +101,7 @@ def _argmax(j: int, logits: torch.Tensor) -> int:
 
 def profile_drafters(target: Target, context: int, depths: list[int], ks: list[int], repeats: int) -> dict:
     out: dict[str, dict[str, dict[str, float]]] = {}
-    points = [(f, d) for f in ("parallel", "autoregressive") for d in depths]
+    points = [(f, d) for f in ("p-eagle", "parallel", "autoregressive") for d in depths]
     for family, depth in tqdm(points, desc="drafter", leave=False):
         drafter = init_drafter(family, target, k=max(ks), depth=depth)
         out.setdefault(family, {})[str(depth)] = {str(k): draft_ms(drafter, k, context, repeats) for k in ks}

@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from distill_support import tiny_config
-from draftlab.config import ScalingSpec, TrainConfig
+from draftlab.config import DrafterSpec, ScalingSpec, TrainConfig
 from draftlab.decoding.tree import load_tree
 from draftlab.distill.trainer import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
@@ -47,10 +47,13 @@ def mlflow_uri(tmp_module):
 
 
 def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
+    """The whole distillation of a p-eagle drafter (aux-layer features cached with the data)."""
     cfg = tiny_config(
         tmp_module, "ddp2", mlflow_uri,
+        drafter=DrafterSpec(family="p-eagle", k=3, depth=1),
         scaling=ScalingSpec(num_workers=2, cpus_per_worker=1, placement_strategy="STRICT_SPREAD"),
     )
+    assert cfg.data.aux_layers == "eagle3"  # the data cache keeps what the family fuses
     summary = run_distill(cfg, progress=False)
     assert summary["world_size"] == 2
     assert len(set(summary["worker_nodes"])) == 2  # STRICT_SPREAD: really two nodes
@@ -69,7 +72,7 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "drafter"}
     version = client.get_model_version(summary["registered_model"], summary["model_version"])
     assert version.run_id == run.info.run_id
-    assert version.tags["k"] == "3" and version.tags["family"] == "parallel" and "tau" in version.tags
+    assert version.tags["k"] == "3" and version.tags["family"] == "p-eagle" and "tau" in version.tags
     # `draftlab select-tree` redoes the tree choice from the cached held-out split (no generation)
     report = choose_tree_for_run(cfg)
     tree = load_tree(str(Path(summary["drafter_dir"]) / "tree.json"))

@@ -16,7 +16,7 @@ FAMILIES = ["p-eagle", "parallel", "autoregressive"]
 
 def features(d, n: int) -> torch.Tensor:
     """(n, F) random target features of the width drafter `d` fuses."""
-    return torch.randn(n, (len(d.cfg.aux_layers or []) + 1) * d.hidden_size)
+    return torch.randn(n, d.feature_size)
 
 
 def test_registry_lists_families():

@@ -138,6 +138,17 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
                          f"{limit} (max_body_bytes)", None, "request_too_large")
 
 
+def authorize(request: Request, keys: list[str], enabled: bool) -> None:
+    """401 unless the request's `Authorization: Bearer` key is one of `keys`. Fails closed:
+    auth configured (`enabled`) but no key found (empty env var or file) refuses everyone."""
+    if not keys and not enabled:
+        return
+    got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not any(secrets.compare_digest(got, k) for k in keys):
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key",
+                       "authentication_error")
+
+
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -157,13 +168,7 @@ class Ingress:
         return self._info
 
     def _authorize(self, request: Request) -> None:
-        # fail closed: auth configured but no key found (empty env var or file) refuses everyone
-        if not self.keys and not self.args.auth_enabled:
-            return
-        got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not any(secrets.compare_digest(got, k) for k in self.keys):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key",
-                           "authentication_error")
+        authorize(request, self.keys, self.args.auth_enabled)
 
     @api.get("/healthz", responses={503: _ERRORS[503]})
     async def healthz(self) -> dict:

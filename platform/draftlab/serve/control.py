@@ -19,7 +19,9 @@ import signal
 import time
 from pathlib import Path
 
-from draftlab.config import ConfigError, ServeArgs, format_validation_error, read_mapping
+from pydantic import BaseModel
+
+from draftlab.config import ConfigError, format_validation_error, read_mapping
 
 DEFAULT_APP = "draftlab"
 
@@ -37,19 +39,32 @@ def load_serve_config(path: str | Path) -> dict:
     import_path = app.get("import_path", "")
     if ":" not in import_path:
         raise ConfigError(f"{path}: applications[0].import_path must be module:builder, got {import_path!r}")
-    try:
-        args = ServeArgs.model_validate(app.get("args") or {})
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, f"{path}: applications[0].args", ServeArgs)) from None
     module, attr = import_path.split(":", 1)
     try:
         builder = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{path}: import_path {import_path!r} is not importable ({e})") from None
+    model = builder_args(builder, f"{path}: import_path {import_path!r}")
+    try:
+        args = model.model_validate(app.get("args") or {})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, f"{path}: applications[0].args", model)) from None
     http = doc.get("http_options") or {}
     return {"builder": builder, "args": args, "name": app.get("name", DEFAULT_APP),
             "route_prefix": app.get("route_prefix", "/"), "host": http.get("host", "127.0.0.1"),
             "port": int(http.get("port", 8000))}
+
+
+def builder_args(builder, where: str = "builder") -> type[BaseModel]:
+    """The args model of a typed builder (`build_app(args: ServeArgs)`, `build_vllm_app(args:
+    VllmServeArgs)`): its parameter's annotation, as Serve reads it for `args:`."""
+    from typing import get_type_hints
+
+    hints = {k: v for k, v in get_type_hints(builder).items() if k != "return"}
+    model = next(iter(hints.values()), None)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ConfigError(f"{where} is not a typed draftlab builder (its argument is no pydantic model)")
+    return model
 
 
 def connect(start_local: bool) -> bool:
@@ -77,16 +92,18 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     from ray import serve
 
     from draftlab.serve.pair import model_version
+    from draftlab.serve.vllm_app import VllmServeArgs
 
-    if spec["args"].drafter is None:  # fail here, clearly, rather than in every replica's constructor
-        model_version(spec["args"])
+    vllm = isinstance(spec["args"], VllmServeArgs)  # Ray Serve LLM's app: no `info` method
+    if spec["args"].drafter is None and not (vllm and spec["args"].speculation == "off"):
+        model_version(spec["args"])  # fail here, clearly, rather than in every replica's constructor
     owns = connect(start_local=True)
     serve.start(http_options={"host": spec["host"], "port": spec["port"]})
     t0 = time.perf_counter()
     if progress:
         print(f"deploying {spec['name']} (loading the target and drafter on each replica)...", flush=True)
     handle = serve.run(spec["builder"](spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
-    info = handle.info.remote().result()
+    info = {"model": spec["args"].model_id} if vllm else handle.info.remote().result()
     url = f"http://{spec['host']}:{spec['port']}{spec['route_prefix'].rstrip('/')}"
     out = {"url": f"{url}/v1", "app": spec["name"], "model": info["model"], "ready_s": round(time.perf_counter() - t0, 1)}
     if progress:

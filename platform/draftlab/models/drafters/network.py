@@ -131,6 +131,11 @@ class DrafterNet(nn.Module):
         """Target layers whose states `fuse` reads (`Target.forward(aux_layers=...)`)."""
         return tuple(self.cfg.aux_layers or ())
 
+    @property
+    def feature_size(self) -> int:
+        """F: width of the target features `fuse` takes (aux states, then the last state)."""
+        return (len(self.aux_layers) + 1) * self.hidden_size
+
     def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """(...,) token ids + (..., F) target features -> (..., D) decoder inputs."""
         emb = self._target_io[0](tokens)  # (..., H)

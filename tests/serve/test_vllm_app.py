@@ -1,0 +1,65 @@
+"""`draftlab.serve.vllm_app` without vLLM or Ray: what a replica hands vLLM (the MLflow champion
+exported to vLLM's layout, an export as it is, target only) and args errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from draftlab.config import ConfigError
+from draftlab.export import vllm_target_dir
+from draftlab.models.drafters.network import init_drafter
+from draftlab.serve.vllm_app import VllmServeArgs, resolve_engine, vllm_drafter
+
+TARGET = "tiny-llama-vllm"
+
+
+@pytest.fixture(scope="module")
+def target():
+    from draftlab.models.target import load_target
+
+    return load_target(TARGET)
+
+
+def test_the_champion_is_exported_for_vllm(target, tmp_path):
+    from mlflow import MlflowClient
+
+    from draftlab.tracking import promote
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("vllm", artifact_location=str(tmp_path / "artifacts")),
+                            tags={"draftlab.target": TARGET})
+    client.log_artifacts(run.info.run_id, str(init_drafter("p-eagle", target, k=3).save(tmp_path / "d")), "drafter")
+    client.set_terminated(run.info.run_id)
+    champ = promote(run.info.run_id, tracking_uri=uri)
+
+    args = VllmServeArgs(target={"name": TARGET}, tracking_uri=uri, export_dir=str(tmp_path / "export"))
+    model, spec, source = resolve_engine(args)  # models:/draftlab-tiny-llama-vllm-drafter@champion
+    assert model == vllm_target_dir(TARGET) and source["version"] == champ["version"]
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 3,
+                    "parallel_drafting": True}  # K = the drafter's k
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    # an export (or any EAGLE-3 checkpoint) is served as it is; it has no draftlab k, so K is given
+    assert vllm_drafter(str(tmp_path / "export"), args.target, args.model_copy(update={"num_speculative_tokens": 2})) \
+        == (str(tmp_path / "export"), 2)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        vllm_drafter(str(tmp_path / "export"), args.target, args)
+    # speculation off: the target alone, no registry lookup
+    assert resolve_engine(VllmServeArgs(target={"name": TARGET}, speculation="off", tracking_uri="sqlite:///nowhere")) \
+        == (vllm_target_dir(TARGET), None, {"speculation": "off"})
+
+
+@pytest.mark.parametrize("args,msg", [
+    ({"speculation": "auto"}, "speculation"),
+    ({"engine_kwargs": {"speculative_config": {}}}, "through `speculation`"),
+    ({"target": {"name": "x", "device": "cuda"}}, "contradicts accelerator 'cpu'"),
+    ({"tensor_parallel_size": 2}, "need accelerator: gpu"),
+    ({"accelerator": "gpu", "accelerator_type": "H1OO"}, "not one of Ray's: A100"),
+])
+def test_bad_args_name_the_field(args, msg):
+    with pytest.raises(ValidationError, match=msg):
+        VllmServeArgs.model_validate(args)

