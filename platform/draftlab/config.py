@@ -536,8 +536,9 @@ class AutoscalingSpec(StrictModel):
     """How often replicas report their load to the autoscaler."""
 
 
-class ServeArgs(StrictModel):
-    """`draftlab.serve.app:build_app` arguments: which drafter/target pair and how to serve it."""
+class ServingCommon(StrictModel):
+    """What every serving application (`--engine draftlab` and `--engine vllm`) takes: the
+    drafter/target pair, the clients' keys, and Serve's replicas, queues and health checks."""
 
     model_uri: str | None = None
     """MLflow model URI of a registered drafter (`models:/<name>@<alias>` or
@@ -551,8 +552,6 @@ class ServeArgs(StrictModel):
     """The `model` clients send; None = the target's name."""
     tracking_uri: str | None = None
     """MLflow server of `model_uri`; None = `MLFLOW_TRACKING_URI`, else the local default."""
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    """Decoding on each replica."""
     api_keys: list[str] = Field(default_factory=list)
     """Accepted `Authorization: Bearer` keys; empty = no authentication."""
     api_keys_env: str | None = None
@@ -562,34 +561,18 @@ class ServeArgs(StrictModel):
     """Also accept the keys in this file, one per line (`#` comments allowed), read by each
     replica at start (a mounted Kubernetes secret, say)."""
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
-    """Replicas of the engine deployment."""
+    """Replicas of the engine deployment (each holds its own target + drafter)."""
     max_ongoing_requests: int = Field(32, ge=1)
     """Requests routed to one replica at once (Serve's default of 5 would idle the engine)."""
     max_queued_requests: int = Field(256, ge=-1)
     """Requests waiting for a replica before callers get 503 (-1 = unbounded)."""
-    num_cpus: float = Field(1.0, ge=0)
-    """CPUs reserved per engine replica."""
-    num_gpus: float = Field(0.0, ge=0)
-    """GPUs per engine replica (1 on a GPU node)."""
     health_check_timeout_s: float = Field(60.0, gt=0)
     """A replica whose model check takes longer is restarted."""
     health_check_period_s: float = Field(10.0, gt=0)
     """How often Serve checks each engine replica: a crashed one is noticed at the next
-    check and replaced, so this bounds the outage after a crash. An idle replica's check
-    is a one-token generation."""
+    check and replaced, so this bounds the outage after a crash."""
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     """Running requests get this long to finish when a replica stops."""
-    max_body_bytes: int = Field(1024 * 1024, ge=1024)
-    """Request bodies over this many bytes get 413, checked from Content-Length before the
-    body is read (and while reading a chunked one). Raise it for long-context targets: a
-    prompt of N token ids takes about 7 N bytes."""
-    queue_timeout_s: float = Field(60.0, gt=0)
-    """A request that no engine replica takes within this long (all busy, or the only one
-    being replaced) gets 503 with `Retry-After` instead of waiting on. Raise it above the
-    model's load time with `autoscaling.min_replicas: 0`."""
-    retry_after_s: int = Field(2, ge=0)
-    """`Retry-After` seconds of 503 answers (replica lost or draining, queues full): about
-    how long Serve takes to route around a lost replica."""
 
     def accepted_keys(self) -> list[str]:
         """`api_keys` plus those in `$api_keys_env` and `api_keys_file` (read where this runs:
@@ -607,6 +590,29 @@ class ServeArgs(StrictModel):
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys or self.api_keys_env or self.api_keys_file)
+
+
+class ServeArgs(ServingCommon):
+    """`draftlab.serve.app:build_app` arguments: which drafter/target pair and how to serve it
+    (an idle replica's health check is a one-token generation)."""
+
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """Decoding on each replica."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved per engine replica."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per engine replica (1 on a GPU node)."""
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    """Request bodies over this many bytes get 413, checked from Content-Length before the
+    body is read (and while reading a chunked one). Raise it for long-context targets: a
+    prompt of N token ids takes about 7 N bytes."""
+    queue_timeout_s: float = Field(60.0, gt=0)
+    """A request that no engine replica takes within this long (all busy, or the only one
+    being replaced) gets 503 with `Retry-After` instead of waiting on. Raise it above the
+    model's load time with `autoscaling.min_replicas: 0`."""
+    retry_after_s: int = Field(2, ge=0)
+    """`Retry-After` seconds of 503 answers (replica lost or draining, queues full): about
+    how long Serve takes to route around a lost replica."""
 
 
 class LoadtestConfig(StrictModel):

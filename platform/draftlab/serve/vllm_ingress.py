@@ -16,7 +16,7 @@ from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 from ray.serve.llm.ingress import OpenAiIngress
 
-from draftlab.config import ServeArgs
+from draftlab.config import ServingCommon
 from draftlab.serve.app import authorize
 from draftlab.serve.protocol import APIError
 
@@ -47,7 +47,7 @@ def _checked(route):
 class Ingress(OpenAiIngress):
     def __init__(self, llm_deployments, model_cards, *, auth: dict | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
-        args = ServeArgs.model_validate(auth or {})
+        args = ServingCommon.model_validate(auth or {})
         self.keys, self.auth_enabled = args.accepted_keys(), args.auth_enabled  # read here, on the replica
 
     async def models(self, request: Request):
