@@ -464,6 +464,16 @@ def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig,
     )
 
 
+def training_view(ds: datasets.Dataset | datasets.DatasetDict):
+    """Rows as training reads them: cached features as numpy arrays, the rest as Python
+    values. Python lists of a (T, 4H) feature array cost more than the training step itself
+    (measured for SmolLM2 + p-eagle, batch 8: fetch + collate 0.36 s -> 0.017 s a step)."""
+    names = ds.column_names if isinstance(ds, datasets.Dataset) else next(iter(ds.values())).column_names
+    if "hidden" not in names:
+        return ds.with_format(None)
+    return ds.with_format("numpy", columns=["hidden"], output_all_columns=True)
+
+
 def load_or_generate(
     data: DataConfig, target_spec: TargetSpec, progress: bool = True, *, keep_shards: bool = False
 ) -> datasets.DatasetDict:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from draftlab.config import BenchConfig, DistillConfig
+from draftlab.data.selfdistill import training_view
 from draftlab.distill.batching import Batch, collate
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
@@ -167,7 +168,7 @@ def train_fn_per_worker(config: dict) -> dict:
         torch.set_num_threads(cfg.train.torch_threads)
     device = ray.train.torch.get_device()
     target = load_target(cfg.target.model_copy(update={"device": device.type}))
-    data = datasets.load_from_disk(config["data_path"]).with_format(None)
+    data = training_view(datasets.load_from_disk(config["data_path"]))
     train, evalset = data["train"], data["eval"]
     k = group_count(cfg)
     tracker = Tracker(

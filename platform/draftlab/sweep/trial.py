@@ -91,13 +91,14 @@ def _remote_options(cfg: DistillConfig) -> dict:
 def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
     import datasets
 
+    from draftlab.data.selfdistill import training_view
     from draftlab.distill.tree_select import save_acceptance
     from draftlab.models.drafters.network import load_drafter
     from draftlab.models.target import load_target
 
     cfg = DistillConfig.model_validate(cfg_json)
     target = load_target(cfg.target)
-    evalset = datasets.load_from_disk(data_path)["eval"].with_format(None)
+    evalset = training_view(datasets.load_from_disk(data_path)["eval"])
     save_acceptance(cfg, load_drafter(cfg.output_dir, target), target, evalset, cfg.output_dir)
 
 
