@@ -33,7 +33,7 @@ def test_trials_differing_only_in_tree_share_one_training(tmp_path):
     c = plan({"drafter.k": 3, "train.lr": 3e-4, "tree": "chain"}, ctx)
     assert a.key == b.key and a.dir == b.dir
     assert c.key != a.key and c.dir != a.dir
-    assert a.dir.parent == tmp_path / "trainings" and a.dir.name.startswith("parallel-k3-d1-")
+    assert a.dir.parent == tmp_path / "trainings" and a.dir.name.startswith("p-eagle-k3-d1-")
     assert a.cfg.output_dir == str(a.dir / "drafter") and a.cfg.storage_path == ctx.trainings
     assert not a.cfg.bench.enabled and not a.cfg.tracking.register_model  # the trial benches and promotes
 
