@@ -79,7 +79,9 @@ def vllm_runs(target, prompts, exported):
     model = vllm_target_dir(target)
     out = {}
     for name, spec in (("ar", None), ("draftlab", vllm_speculative_config(exported, K))):
-        with VllmEngine(model, dtype=torch.float32, max_model_len=512, speculative_config=spec, in_process=True) as llm:
+        # memory 0.3: in-process, vLLM's KV budget is this share of RAM minus what pytest holds
+        with VllmEngine(model, dtype=torch.float32, max_model_len=512, speculative_config=spec, in_process=True,
+                        memory_fraction=0.3) as llm:
             out[name] = [llm.generate(ids, NEW) for ids in prompts]
     return out
 
