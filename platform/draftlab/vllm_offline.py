@@ -171,10 +171,6 @@ class VllmEngine:
         # In-process, vLLM sets this process's torch threads to 1 and replaces
         # `torch.set_num_threads` with a no-op; both are put back on close.
         self._threads, self._set_threads = torch.get_num_threads(), torch.set_num_threads
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and hasattr(torch.cpu, "_init_amx"):
-            # vLLM's bf16 CPU attention uses AMX tiles without asking Linux for them; torch's
-            # own AMX matmuls ask first, but a tiny model never reaches them: SIGILL. Ask here.
-            torch.cpu._init_amx()
         t0 = time.perf_counter()
         try:
             self.llm = LLM(**self.kwargs)
