@@ -141,7 +141,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
             cfg = cfg.model_copy(update={"tree": str(searched_tree_file(saved, budget))})
         k = cfg.k or 4
-        depth_needed = load_tree(cfg.tree or "default").depth if "draftlab_tree" in cfg.methods else k
+        depth_needed = load_tree(cfg.tree or "default").depth if {"draftlab_tree", "draftlab_tree_ngram"} & set(cfg.methods) else k
         drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)
     return bench_loaded(target, drafter, cfg, progress)
 
@@ -180,11 +180,12 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     tree, k = None, cfg.k
     if spec_methods:
         k = cfg.k or drafter.cfg.k
-        if "draftlab_chain" in methods:
-            runners["draftlab_chain"] = _engine_runner(SpeculativeDecoder(target, drafter, Tree.chain(k)).generate, params)
-        if "draftlab_tree" in methods:
+        if "draftlab_tree" in methods or "draftlab_tree_ngram" in methods:
             tree = load_tree(cfg.tree or "default")
-            runners["draftlab_tree"] = _engine_runner(SpeculativeDecoder(target, drafter, tree).generate, params)
+        for m, shape in (("draftlab_chain", Tree.chain(k)), ("draftlab_tree", tree)):
+            for name, ngram in ((m, None), (f"{m}_ngram", cfg.ngram)):
+                if name in methods:
+                    runners[name] = _engine_runner(SpeculativeDecoder(target, drafter, shape, ngram).generate, params)
         for name, named in trees.items():
             runners[f"draftlab_tree:{name}"] = _engine_runner(SpeculativeDecoder(target, drafter, named).generate, params)
 

@@ -35,6 +35,7 @@ from draftlab.config import (
     ConfigError,
     DistillConfig,
     LoadtestConfig,
+    NgramSpec,
     ProfileConfig,
     ServeArgs,
     TargetSpec,
@@ -77,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
-    b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}, or vLLM's "
-                   "vllm_ar, vllm_ngram, vllm_draftlab (not in the default: each vLLM engine starts in ~20 s to minutes)")
+    b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}; "
+                   "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the chain/tree); "
+                   "vLLM's vllm_ar, vllm_ngram, vllm_draftlab (not in the default: each vLLM engine starts in ~20 s to minutes)")
+    b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
+    b.add_argument("--ngram-min", type=int, default=NgramSpec().min_match, help="*_ngram: shortest suffix n-gram matched")
+    b.add_argument("--ngram-max", type=int, default=NgramSpec().max_match, help="*_ngram: longest suffix n-gram matched")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
@@ -359,6 +364,7 @@ def _bench(a: argparse.Namespace) -> None:
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
         k=a.k, depth=a.depth, tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         warmup=a.warmup, methods=[m.strip() for m in a.methods.split(",") if m.strip()], json_out=a.json_out,
+        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max),
     )
     report = run_bench(cfg)
     print(render_table(report))

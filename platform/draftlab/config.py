@@ -61,6 +61,24 @@ class SamplingParams(StrictModel):
         return self.temperature == 0.0
 
 
+class NgramSpec(StrictModel):
+    """Prompt-lookup drafts grafted onto the drafter's tree each round (`decoding/ngram.py`):
+    the tokens that followed the latest earlier occurrence of the text's last n tokens."""
+
+    tokens: int = Field(5, ge=1, le=64)
+    """Longest grafted branch (tokens copied after a match)."""
+    min_match: int = Field(2, ge=1, le=16)
+    """Shortest suffix n-gram that counts as a match."""
+    max_match: int = Field(4, ge=1, le=16)
+    """Longest suffix n-gram tried first (a longer match is a likelier copy)."""
+
+    @model_validator(mode="after")
+    def _match_range(self) -> NgramSpec:
+        if self.min_match > self.max_match:
+            raise ValueError(f"min_match ({self.min_match}) must be <= max_match ({self.max_match})")
+        return self
+
+
 class VllmBenchSpec(StrictModel):
     """The vLLM engines of `draftlab bench`'s `vllm_*` methods (one engine per method)."""
 
@@ -120,16 +138,20 @@ class BenchConfig(StrictModel):
     warmup: int = Field(1, ge=0)
     """Untimed prompts run per method before timing."""
     methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree",
+                          "draftlab_chain_ngram", "draftlab_tree_ngram",
                           "vllm_ar", "vllm_ngram", "vllm_draftlab"]] = Field(
         default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
     )
     """Which methods to run; `ar` is always run because every speedup is relative to it, and
     `vllm_ar` whenever another `vllm_*` method is (vLLM target-only, for `speedup_vs_vllm_ar`
-    and `vllm_greedy_identical`). `vllm_*` need vLLM installed and are not in the default
+    and `vllm_greedy_identical`). `draftlab_chain_ngram` / `draftlab_tree_ngram` are the chain
+    and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_*` need vLLM installed and are not in the default
     because each engine's start-up costs ~20 s to minutes; `vllm_draftlab` exports the
     drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """`prompt_lookup_num_tokens` for transformers' prompt-lookup decoding."""
+    ngram: NgramSpec = Field(default_factory=NgramSpec)
+    """Prompt-lookup drafts grafted onto our engine's tree by the `*_ngram` methods."""
     vllm: VllmBenchSpec = Field(default_factory=VllmBenchSpec)
     """vLLM engine settings for the `vllm_*` methods."""
     json_out: str | None = None

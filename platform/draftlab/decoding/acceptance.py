@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.decoding.tree import Tree
+from draftlab.decoding.tree import Topology
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -37,7 +37,7 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def greedy_walk(tree: Tree, nodes: list[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
+def greedy_walk(tree: Topology, nodes: list[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
     """Longest root-to-node path whose tokens equal the target's argmax.
 
     nodes: (N+1) verify-input token ids; target_logits: (N+1, V).
@@ -55,7 +55,7 @@ def greedy_walk(tree: Tree, nodes: list[int], target_logits: torch.Tensor) -> tu
 
 
 def sampled_walk(
-    tree: Tree,
+    tree: Topology,
     nodes: list[int],
     target_probs: torch.Tensor,  # (N+1, V) processed target distributions
     draft_probs: torch.Tensor | None,  # (depth, V) when drafts were sampled from q; None = deterministic

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftlab.config import SamplingParams
+from draftlab.config import NgramSpec, SamplingParams
 from draftlab.decoding.acceptance import greedy_walk, process_logits, sample, sampled_walk
 from draftlab.decoding.cache import keep_rows
+from draftlab.decoding.ngram import NgramIndex, graft
 from draftlab.decoding.stopping import Stopper
-from draftlab.decoding.tree import Tree
+from draftlab.decoding.tree import Topology, Tree
 from draftlab.models.attention import RowPlan
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
@@ -143,7 +144,7 @@ def autoregressive_generate(target: Target, prompt: list[int], params: SamplingP
     return _finish(stopper, stats, t_start)
 
 
-def verify_plan(tree: Tree, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
+def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
     """Keys each verified row of `tree` sees after `ctx` cached tokens (the context, then its
     ancestors and itself), for row-exact attention (see models/attention.py). A chain's rows
     are causal prefixes; `ancestors`, `counts` = `tree.ancestor_rows` on the target's device."""
@@ -160,7 +161,7 @@ class Block:
     ids: torch.Tensor  # (T,) root, then the drafted nodes
     positions: torch.Tensor  # (T,)
     rows: list | RowPlan  # keys per row, relative to this session's cache
-    tree: Tree | None  # None = a plain decode step (no drafts)
+    tree: Topology | None  # the round's tree (static, or with grafted n-gram nodes); None = no drafts
     draft_logits: torch.Tensor | None  # (k, V)
     sampled_drafts: bool | None  # chain drafts sampled from q (lossless sampling needs q)
     draft_s: float
@@ -214,11 +215,13 @@ class SpeculativeDecoder:
 
     `tree` = `Tree.chain(k)` for chain verification (drafts are *sampled* from the drafter
     when sampling), any other tree for top-k tree verification (deterministic drafts).
+    `ngram` grafts prompt-lookup drafts onto the tree each round (`decoding/ngram.py`);
+    not onto sampled chain drafts, whose lossless walk assumes one draft per position.
     """
 
-    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree):
+    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree, ngram: NgramSpec | None = None):
         drafter.check_k(tree.depth)
-        self.target, self.drafter, self.tree = target, drafter, tree
+        self.target, self.drafter, self.tree, self.ngram = target, drafter, tree, ngram
         self.aux_layers = drafter.aux_layers  # target states the drafter fuses
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
@@ -257,6 +260,7 @@ class Session:
         # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
         self.pend_tok = torch.tensor(prompt[1:] + [self.root], device=dev)
         self.pend_hid = hidden
+        self.lookup = NgramIndex(dec.ngram, prompt + [self.root]) if dec.ngram else None
         self.done = self.stopper.feed([self.root])
 
     @property
@@ -290,6 +294,14 @@ class Session:
             nodes = torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
         else:
             nodes = tree.node_tokens(self.root, dlogits)  # (N+1,)
+        branch = self.lookup.propose() if self.lookup is not None and not sample_drafts else []
+        if branch:  # this round's tree: the static one plus the copied span
+            grown, ids = graft(tree, nodes.tolist(), branch)
+            if grown is not tree:
+                ancestors, counts = (t.to(dev) for t in grown.ancestor_rows)
+                return Block(torch.tensor(ids, device=dev), self.ctx + grown.depths.to(dev),
+                             verify_plan(grown, self.ctx, ancestors, counts), grown, dlogits, False,
+                             time.perf_counter() - t0)
         rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
         return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)
 
@@ -315,7 +327,9 @@ class Session:
         self.root = bonus
         self.stats.draft_s += block.draft_s
         self.stats.verify_s += verify_s
-        self.stats.record(drafted=block.ids.numel() - 1, accepted=len(accepted), depth=self.dec.tree.depth)
+        self.stats.record(drafted=block.ids.numel() - 1, accepted=len(accepted), depth=max(self.dec.tree.depth, len(accepted)))
+        if self.lookup is not None:
+            self.lookup.extend(new)
         self.done = self.stopper.feed(new)
 
     def result(self) -> GenerationResult:

@@ -24,8 +24,62 @@ class TreeError(ValueError):
     """A tree definition is malformed; the message says which path and why."""
 
 
+class Topology:
+    """Buffers every verification tree derives from its `parents` (node 0 = the root, and
+    every parent precedes its children): what the walks in `acceptance.py` and the verify
+    forward's row plan need. Subclasses provide `parents: list[int]`."""
+
+    parents: list[int]  # (N+1,), the root's is -1
+
+    @property
+    def num_nodes(self) -> int:
+        """Drafted nodes (the verify forward has num_nodes + 1 rows with the root)."""
+        return len(self.parents) - 1
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[i] in node order (for a rank-path tree, rank order: siblings are tried
+        in this order when sampling)."""
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """(N+1,) depth of each node; the root is 0. Position id = context length + depth."""
+        out = [0] * len(self.parents)
+        for i, p in enumerate(self.parents[1:], start=1):
+            out[i] = out[p] + 1
+        return torch.tensor(out)
+
+    @property
+    def depth(self) -> int:
+        return int(self.depths.max())
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """(N+1, N+1) bool: row i may attend to column j iff j is i or an ancestor of i."""
+        n = len(self.parents)
+        m = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            m[i] |= m[self.parents[i]]
+        return m
+
+    @cached_property
+    def ancestor_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block rows each node sees, its ancestors then itself: ((N+1, depth+1) zero-padded
+        offsets, (N+1,) counts) - the input of `attention.RowPlan.tree`."""
+        seen = [row.nonzero()[:, 0] for row in self.ancestor_mask]  # N+1 x (depth_i + 1,)
+        return torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen])
+
+
 @dataclass(frozen=True)
-class Tree:
+class Tree(Topology):
     paths: tuple[tuple[int, ...], ...]  # sorted by (len, lex); excludes the root
     name: str = "custom"
 
@@ -58,12 +112,6 @@ class Tree:
     def chain(cls, k: int) -> Tree:
         return cls.from_paths([[0] * d for d in range(1, k + 1)], name=f"chain-{k}")
 
-    # -- sizes -------------------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
-        """Drafted nodes (the verify forward has num_nodes + 1 rows with the root)."""
-        return len(self.paths)
-
     @property
     def depth(self) -> int:
         return max(len(p) for p in self.paths)
@@ -74,6 +122,7 @@ class Tree:
 
     @property
     def is_chain(self) -> bool:
+        """Top-1 drafts only (a chain's drafts may be sampled from the drafter)."""
         return all(all(r == 0 for r in p) for p in self.paths)
 
     # -- buffers (built once, cached) --------------------------------------------------
@@ -84,40 +133,9 @@ class Tree:
         return [-1] + [index.get(p[:-1], 0) for p in self.paths]
 
     @cached_property
-    def children(self) -> list[list[int]]:
-        """children[i], in rank order (siblings are tried in this order when sampling)."""
-        kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
-        for i in range(1, self.num_nodes + 1):
-            kids[self.parents[i]].append(i)
-        for i in range(len(kids)):
-            kids[i].sort(key=lambda c: self.paths[c - 1][-1])
-        return kids
-
-    @cached_property
-    def depths(self) -> torch.Tensor:
-        """(N+1,) depth of each node; the root is 0. Position id = context length + depth."""
-        return torch.tensor([0] + [len(p) for p in self.paths])
-
-    @cached_property
     def ranks(self) -> torch.Tensor:
         """(N,) rank at the node's own position (index into that position's top-k list)."""
         return torch.tensor([p[-1] for p in self.paths])
-
-    @cached_property
-    def ancestor_mask(self) -> torch.Tensor:
-        """(N+1, N+1) bool: row i may attend to column j iff j is i or an ancestor of i."""
-        n = self.num_nodes + 1
-        m = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            m[i] |= m[self.parents[i]]
-        return m
-
-    @cached_property
-    def ancestor_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block rows each node sees, its ancestors then itself: ((N+1, depth+1) zero-padded
-        offsets, (N+1,) counts) - the input of `attention.RowPlan.tree`."""
-        seen = [row.nonzero()[:, 0] for row in self.ancestor_mask]  # N+1 x (depth_i + 1,)
-        return torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen])
 
     def node_tokens(self, root: int, draft_logits: torch.Tensor) -> torch.Tensor:
         """(N+1,) verify-input ids: root, then each node's ranked token from (k, V) logits."""
