@@ -183,9 +183,9 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         if "draftlab_tree" in methods or "draftlab_tree_ngram" in methods:
             tree = load_tree(cfg.tree or "default")
         for m, shape in (("draftlab_chain", Tree.chain(k)), ("draftlab_tree", tree)):
-            for name, ngram in ((m, None), (f"{m}_ngram", cfg.ngram)):
+            for name, verified in ((m, shape), (f"{m}_ngram", shape and shape.with_ngram(cfg.ngram))):
                 if name in methods:
-                    runners[name] = _engine_runner(SpeculativeDecoder(target, drafter, shape, ngram).generate, params)
+                    runners[name] = _engine_runner(SpeculativeDecoder(target, drafter, verified).generate, params)
         for name, named in trees.items():
             runners[f"draftlab_tree:{name}"] = _engine_runner(SpeculativeDecoder(target, drafter, named).generate, params)
 

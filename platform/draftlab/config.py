@@ -65,6 +65,8 @@ class NgramSpec(StrictModel):
     """Prompt-lookup drafts grafted onto the drafter's tree each round (`decoding/ngram.py`):
     the tokens that followed the latest earlier occurrence of the text's last n tokens."""
 
+    model_config = ConfigDict(frozen=True)  # part of a (frozen, hashable) Tree
+
     tokens: int = Field(5, ge=1, le=64)
     """Longest grafted branch (tokens copied after a match)."""
     min_match: int = Field(2, ge=1, le=16)

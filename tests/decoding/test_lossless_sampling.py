@@ -239,7 +239,7 @@ def test_grafted_lookup_drafts_keep_the_target_distribution(target):
     exact = exact_distribution(target, PROMPT, 1.0, 1.0)
     drafter = init_drafter("parallel", target, k=4, depth=1, seed=0)
     tree = _tree("small-6")
-    decoder = SpeculativeDecoder(target, drafter, tree, ngram=NgramSpec(tokens=3, min_match=1, max_match=2))
+    decoder = SpeculativeDecoder(target, drafter, tree.with_ngram(NgramSpec(tokens=3, min_match=1, max_match=2)))
     samples, rounds, grafted_rounds = [], 0, 0
     for i in range(N):
         session = decoder.start(PROMPT, SamplingParams(max_new_tokens=LENGTH, seed=700_000 + i, temperature=1.0))

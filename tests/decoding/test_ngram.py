@@ -84,7 +84,7 @@ def test_greedy_identity_when_grafted_drafts_are_accepted(tiny, tiny_prompts, tr
     grafted branch (after the static tree's nodes: its accepted KV rows are gathered)."""
     for ids in tiny_prompts:
         ref = autoregressive_generate(tiny, ids, GREEDY)
-        dec = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids, wrong_after=0), tree, ngram=NgramSpec())
+        dec = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids, wrong_after=0), tree.with_ngram())
         session = dec.start(ids, GREEDY)
         session.lookup = TruthLookup(ref.tokens, len(ids), right, tiny.vocab_size)
         session.lookup.extend(ids + [session.root])
@@ -100,10 +100,34 @@ def test_greedy_identity_when_grafted_drafts_are_accepted(tiny, tiny_prompts, tr
 @pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("small-6")], ids=lambda t: t.name)
 def test_untrained_drafter_with_real_lookups_identity(tiny, tiny_prompts, family, tree):
     spec = NgramSpec(tokens=4, min_match=1, max_match=2)
-    dec = SpeculativeDecoder(tiny, init_drafter(family, tiny, k=4, depth=1, seed=2), tree, ngram=spec)
+    dec = SpeculativeDecoder(tiny, init_drafter(family, tiny, k=4, depth=1, seed=2), tree.with_ngram(spec))
     grafted = 0
     for ids in tiny_prompts:
         out = dec.generate(ids, GREEDY)
         assert out.tokens == autoregressive_generate(tiny, ids, GREEDY).tokens
         grafted += out.stats.drafted - out.stats.rounds * tree.num_nodes
     assert grafted > 0, "1-gram lookups must graft nodes onto some rounds"
+
+
+def test_ngram_tree_specs_round_trip(tmp_path):
+    """`+ngram` rides on every tree spec and survives tree.json, truncation and resolution."""
+    from draftlab.distill.tree_select import resolve_tree, save_tree
+    from draftlab.sweep.space import SweepConfig
+
+    tree = load_tree("default+ngram")
+    assert tree.ngram == NgramSpec() and tree.name == "default+ngram" and tree.paths == load_tree("default").paths
+    assert load_tree("chain-3+ngram").ngram and load_tree("chain-3+ngram").is_chain
+    assert resolve_tree("chain+ngram", None, 2) == Tree.chain(2).with_ngram()
+    custom = Tree.chain(2).with_ngram(NgramSpec(tokens=7, min_match=1, max_match=3))
+    save_tree(custom.truncated(1), None, tmp_path)
+    back = resolve_tree(None, tmp_path, 4)  # the drafter dir's tree.json
+    assert back.ngram == custom.ngram and back.paths == ((0,),)
+    (tmp_path / "bad.json").write_text('{"paths": [[0]], "ngram": {"tokens": 0}}')
+    with pytest.raises(ValueError, match="bad `ngram`"):
+        load_tree(str(tmp_path / "bad.json"))
+    base = {"name": "s", "base": "x.yaml"}
+    assert SweepConfig(**base, trees=["chain+ngram", "searched-4+ngram"]).trees[0] == "chain+ngram"
+    with pytest.raises(ValueError, match="unknown tree 'nope\\+ngram'"):
+        SweepConfig(**base, trees=["nope+ngram"])
+    with pytest.raises(ValueError, match="chains only"):
+        SweepConfig(**base, trees=["chain+ngram"], objective="vllm")

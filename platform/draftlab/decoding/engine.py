@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftlab.config import NgramSpec, SamplingParams
+from draftlab.config import SamplingParams
 from draftlab.decoding.acceptance import greedy_walk, process_logits, sample, sampled_walk
 from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.ngram import NgramIndex, graft
@@ -215,13 +215,14 @@ class SpeculativeDecoder:
 
     `tree` = `Tree.chain(k)` for chain verification (drafts are *sampled* from the drafter
     when sampling), any other tree for top-k tree verification (deterministic drafts).
-    `ngram` grafts prompt-lookup drafts onto the tree each round (`decoding/ngram.py`);
-    not onto sampled chain drafts, whose lossless walk assumes one draft per position.
+    A tree with `ngram` set grafts prompt-lookup drafts onto itself each round
+    (`decoding/ngram.py`), except onto sampled chain drafts, whose lossless walk assumes one
+    draft per position.
     """
 
-    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree, ngram: NgramSpec | None = None):
+    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree):
         drafter.check_k(tree.depth)
-        self.target, self.drafter, self.tree, self.ngram = target, drafter, tree, ngram
+        self.target, self.drafter, self.tree = target, drafter, tree
         self.aux_layers = drafter.aux_layers  # target states the drafter fuses
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
@@ -260,7 +261,7 @@ class Session:
         # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
         self.pend_tok = torch.tensor(prompt[1:] + [self.root], device=dev)
         self.pend_hid = hidden
-        self.lookup = NgramIndex(dec.ngram, prompt + [self.root]) if dec.ngram else None
+        self.lookup = NgramIndex(dec.tree.ngram, prompt + [self.root]) if dec.tree.ngram else None
         self.done = self.stopper.feed([self.root])
 
     @property

@@ -6,10 +6,15 @@ position 2. A chain of k drafts is `[[0], [0, 0], ..., [0]*k]`.
 
 Buffers are built once per tree. Node 0 is the root (the last committed token); nodes 1..N
 follow the paths sorted by (depth, lexicographic), so parents precede children.
+
+A tree may also graft prompt-lookup drafts onto itself each round (`ngram`, spec suffix
+`+ngram`, e.g. `chain-3+ngram`; see `ngram.py`): it travels with the tree through sweeps,
+`tree.json`, the compare stage and serving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from draftlab.config import NgramSpec
+
+NGRAM = "+ngram"  # spec suffix: graft prompt-lookup drafts onto the tree each round
 PRESET_DIR = Path(__file__).parent / "trees"
 
 
@@ -82,6 +90,7 @@ class Topology:
 class Tree(Topology):
     paths: tuple[tuple[int, ...], ...]  # sorted by (len, lex); excludes the root
     name: str = "custom"
+    ngram: NgramSpec | None = None  # graft prompt-lookup drafts each round (ngram.py)
 
     @classmethod
     def from_paths(cls, paths, name: str = "custom", max_depth: int | None = None) -> Tree:
@@ -147,18 +156,34 @@ class Tree(Topology):
         """The same tree without nodes deeper than `max_depth` (still prefix-closed)."""
         if self.depth <= max_depth:
             return self
-        return Tree.from_paths([list(p) for p in self.paths if len(p) <= max_depth], f"{self.name}-d{max_depth}")
+        cut = Tree.from_paths([list(p) for p in self.paths if len(p) <= max_depth], f"{self.name}-d{max_depth}")
+        return dataclasses.replace(cut, ngram=self.ngram)
+
+    def with_ngram(self, spec: NgramSpec | None = None) -> Tree:
+        """This tree, grafting prompt-lookup drafts (`spec`, default settings) each round."""
+        base = self.name.removesuffix(NGRAM)
+        return dataclasses.replace(self, name=base + NGRAM, ngram=spec or NgramSpec())
 
     def to_json(self) -> str:
-        return json.dumps([list(p) for p in self.paths])
+        paths = [list(p) for p in self.paths]
+        return json.dumps({"paths": paths, "ngram": self.ngram.model_dump()} if self.ngram else paths)
 
 
 def available_trees() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json")) + ["chain-<k>"]
 
 
+def split_ngram(spec: str) -> tuple[str, bool]:
+    """`default+ngram` -> (`default`, True); `default` -> (`default`, False)."""
+    return (spec.removesuffix(NGRAM), True) if spec.endswith(NGRAM) else (spec, False)
+
+
 def load_tree(spec: str, k: int | None = None) -> Tree:
-    """A preset name, `chain-<k>`, or a JSON file holding a list of rank paths."""
+    """A preset name, `chain-<k>`, or a JSON file holding a list of rank paths (or
+    {"paths": [...], "ngram": {...}}); `+ngram` after any of them grafts prompt lookups."""
+    spec, ngram = split_ngram(spec)
+    if ngram:
+        return load_tree(spec, k).with_ngram()
     if spec.startswith("chain-") and spec[6:].isdigit():
         tree = Tree.chain(int(spec[6:]))
         return Tree.from_paths([list(p) for p in tree.paths], spec, max_depth=k)
@@ -169,6 +194,12 @@ def load_tree(spec: str, k: int | None = None) -> Tree:
         paths = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TreeError(f"tree file {path}: not valid JSON ({e})") from None
-    if isinstance(paths, dict):  # {"paths": [...]} as written by the tree search
+    graft = None
+    if isinstance(paths, dict):  # {"paths": [...], "ngram": {...}?} as written by `to_json` / the tree search
+        try:
+            graft = NgramSpec.model_validate(paths["ngram"]) if paths.get("ngram") else None
+        except ValueError as e:
+            raise TreeError(f"tree file {path}: bad `ngram` ({e})") from None
         paths = paths.get("paths")
-    return Tree.from_paths(paths, name=path.stem if path.parent == PRESET_DIR else str(path), max_depth=k)
+    tree = Tree.from_paths(paths, name=path.stem if path.parent == PRESET_DIR else str(path), max_depth=k)
+    return tree.with_ngram(graft) if graft else tree

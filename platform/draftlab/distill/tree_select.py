@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from draftlab.config import DistillConfig
-from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.decoding.tree_search import best_tree, expected_accepted, searched_budget
 from draftlab.distill.ranks import rank_acceptance
 from draftlab.models.drafters.network import DrafterNet, load_drafter
@@ -150,10 +150,14 @@ def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:
 def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int) -> Tree:
     """The tree a drafter drafting `k` deep verifies with: `chain` (= chain-k), `chain-<n>`,
     a preset (cut to depth k), `searched-<n>` (from the drafter's tree-search.json), a JSON
-    file, or None = the drafter directory's `tree.json` when it has one, else chain-k."""
+    file, or None = the drafter directory's `tree.json` when it has one, else chain-k; any of
+    them followed by `+ngram` grafts prompt lookups each round."""
     if spec is None:
         saved = Path(drafter_dir) / "tree.json" if drafter_dir else None
         spec = str(saved) if saved is not None and saved.is_file() else "chain"
+    spec, ngram = split_ngram(spec)
+    if ngram:
+        return resolve_tree(spec, drafter_dir, k).with_ngram()
     if spec == "chain":
         return Tree.chain(k)
     budget = searched_budget(spec)

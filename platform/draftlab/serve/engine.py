@@ -86,7 +86,8 @@ class DraftEngine:
         self.max_context = eng.max_context or int(getattr(self.target.model.config, "max_position_embeddings", 2048))
         self.info_ = {"model": self.args.served_model_name or pair.target.name, "target": pair.target.name,
                       "drafter": {"family": drafter.cfg.family, "k": drafter.cfg.k, "depth": drafter.cfg.depth},
-                      "tree": [list(p) for p in tree.paths], "speculation": eng.speculation,
+                      "tree": [list(p) for p in tree.paths], "ngram": tree.ngram and tree.ngram.model_dump(),
+                      "speculation": eng.speculation,
                       "max_context": self.max_context, "source": pair.source, "device": str(self.target.device)}
         self.metrics = _Metrics()
         policy = build_policy(self.target, drafter, tree, saved, eng) if eng.speculation == "auto" else None

@@ -25,7 +25,7 @@ from draftlab.config import (
     load_yaml,
     read_mapping,
 )
-from draftlab.decoding.tree import available_trees
+from draftlab.decoding.tree import NGRAM, available_trees, split_ngram
 from draftlab.decoding.tree_search import searched_budget
 
 Scalar = int | float | str | bool
@@ -128,8 +128,8 @@ class SweepConfig(StrictModel):
         if self.objective == "vllm":
             bad = [t for t in self.trees if not is_chain_name(t)]
             if bad:
-                raise ValueError(f"trees {bad}: objective vllm measures chains only (vLLM verifies no static trees); "
-                                 f"use chain or chain-<k>")
+                raise ValueError(f"trees {bad}: objective vllm measures chains only (vLLM verifies no static trees "
+                                 f"and grafts no lookups); use chain or chain-<k>")
         return self
 
     @field_validator("trees")
@@ -137,8 +137,10 @@ class SweepConfig(StrictModel):
     def _trees(cls, trees: list[str]) -> list[str]:
         presets = [t for t in available_trees() if "<" not in t]
         for t in trees:
-            if not is_chain_name(t) and searched_budget(t) is None and t not in presets:
-                raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)})")
+            shape = split_ngram(t)[0]
+            if not is_chain_name(shape) and searched_budget(shape) is None and shape not in presets:
+                raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)}; "
+                                 f"each may end in {NGRAM} to graft prompt lookups)")
         return trees
 
 

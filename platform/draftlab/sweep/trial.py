@@ -135,6 +135,7 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
             "draft_ms": 1000 * m.get("draft_s", 0.0) / max(1, m["forwards"]),  # per round (ours only)
             "verify_ms": 1000 * m.get("verify_s", 0.0) / max(1, m["forwards"]),
             "tree_nodes": tree.num_nodes, "tree_depth": tree.depth, "paths": [list(p) for p in tree.paths],
+            "ngram": tree.ngram is not None,
             "per_position_acceptance": m.get("per_position_acceptance"),
             "tau_by_category": {c: v["tau"] for c, v in m["by_category"].items()},
             "greedy_identical": report["vllm_greedy_identical"] if objective == "vllm" else report["greedy_identical"],
