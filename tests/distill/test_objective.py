@@ -37,7 +37,12 @@ def test_shared_teacher_loss_equals_per_node_reference():
     once; loss, per-depth statistics and gradients must equal the plain per-node objective."""
     from draftlab.config import TargetSpec
     from draftlab.distill.batching import collate
-    from draftlab.distill.objective import CHUNK_NODES, DistillModule, gather_states, loss_and_backward
+    from draftlab.distill.objective import (
+        CHUNK_NODES,
+        DistillModule,
+        gather_states,
+        loss_and_backward,
+    )
     from draftlab.distill.worker import teacher_states
     from draftlab.models.target import load_target
 
