@@ -37,3 +37,21 @@ def test_autoregressive_depths_beyond_training_are_extrapolated(tiny):
     assert report["extrapolated_depths"] == 2
     assert report["acceptance"][1] == report["acceptance"][0] == report["acceptance"][2]
     assert tree.depth <= 3
+
+
+def test_bench_tree_with_ngram_suffix_saves_a_grafting_tree(tiny, tmp_path):
+    """`bench.tree: searched+ngram` / `chain-2+ngram`: the chosen tree.json grafts lookups."""
+    from draftlab.config import DistillConfig
+    from draftlab.distill.tree_select import choose_tree
+
+    drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
+    rows = _rows(tiny)
+    for spec, paths in (("chain-2+ngram", ((0,), (0, 0))), ("searched+ngram", None)):
+        cfg = DistillConfig.model_validate({
+            "name": "t", "target": {"name": "tiny-llama"}, "drafter": {"k": 3},
+            "bench": {"tree": spec, "search_budgets": [1, 2], "search_ranks": 2, "search_context": 32}})
+        out = tmp_path / spec
+        out.mkdir()
+        tree = load_tree(str(choose_tree(cfg, drafter, tiny, rows, out)))
+        assert tree.ngram is not None and (paths is None or tree.paths == paths)
+        assert (out / "tree-search.json").is_file() == (paths is None)

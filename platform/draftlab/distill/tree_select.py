@@ -89,23 +89,29 @@ def save_acceptance(cfg: DistillConfig, drafter: DrafterNet, target: Target, eva
 
 def choose_tree(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
     """The tree of `cfg.bench.tree` for this drafter, saved into `out_dir` as `tree.json`."""
-    if cfg.bench.tree == "searched":
-        return search_and_save(cfg, drafter, target, evalset, out_dir)
-    # a given tree may be deeper than this drafter's k: keep its first k levels
-    return save_tree(load_tree(cfg.bench.tree).truncated(cfg.drafter.k), None, out_dir)
+    spec, ngram = split_ngram(cfg.bench.tree)
+    if spec == "searched":
+        tree, report = _search(cfg, drafter, target, evalset)
+    else:  # a given tree may be deeper than this drafter's k: keep its first k levels
+        tree, report = load_tree(spec).truncated(cfg.drafter.k), None
+    return save_tree(tree.with_ngram() if ngram else tree, report, out_dir)
 
 
-def search_and_save(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
-    """`select_tree` on the held-out split with the `cfg.bench.search_*` settings; saves
-    `tree.json` and `tree-search.json` into `out_dir` and returns the `tree.json` path."""
+def _search(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset) -> tuple[Tree, dict]:
+    """`select_tree` on the held-out split with the `cfg.bench.search_*` settings."""
     from draftlab.distill.worker import group_count
 
     b = cfg.bench
     rows = [evalset[i] for i in range(len(evalset))]
-    tree, report = select_tree(
+    return select_tree(
         drafter, target, rows, group_count(cfg), b.search_budgets, b.search_ranks, b.search_context, depth=cfg.drafter.k
     )
-    return save_tree(tree, report, out_dir)
+
+
+def search_and_save(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+    """`_search`, saving `tree.json` and `tree-search.json` into `out_dir`; returns the
+    `tree.json` path."""
+    return save_tree(*_search(cfg, drafter, target, evalset), out_dir)
 
 
 def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> dict:
