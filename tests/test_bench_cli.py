@@ -50,14 +50,17 @@ def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):
     prompts.write_text(
         json.dumps({"question_id": 1, "category": "math", "turns": ["2+2?", "and 3+3?"]}) + "\n"
         + json.dumps({"prompt": "plain prompt"}) + "\n"
+        + json.dumps({"category": "chat", "messages": [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "hello"},
+                                                       {"role": "user", "content": "again?"}]}) + "\n"
     )
     out = tmp_path / "b.json"
     rc = main(["bench", "--target", "tiny-llama", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
                "--max-new-tokens", "12", "--k", "3", "--tree", "small-6", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    check_contract(report, prompts=2, max_new=12)
-    assert set(report["methods"]["draftlab_chain"]["by_category"]) == {"math", "default"}
+    check_contract(report, prompts=3, max_new=12)
+    assert set(report["methods"]["draftlab_chain"]["by_category"]) == {"math", "default", "chat"}
 
 
 def test_bench_defaults_to_the_drafters_k_and_tree(tmp_path, tiny):
@@ -123,7 +126,13 @@ def test_bad_prompt_file_names_line(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
-    assert f"{f}:2: needs a 'prompt' field" in capsys.readouterr().err
+    assert f"{f}:2: needs a 'prompt', chat 'messages'" in capsys.readouterr().err
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
+    assert f"{f}:1: the last message must be a user turn" in capsys.readouterr().err
+    f.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
+    assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
+    assert f"{f}:1: messages[0] must be" in capsys.readouterr().err
 
 
 def test_profile_json(tmp_path):

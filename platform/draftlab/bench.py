@@ -167,7 +167,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     spec_methods = [m for m in methods if m.startswith("draftlab_")]
     if spec_methods and drafter is None:
         raise ValueError(f"methods {spec_methods} need a drafter (--drafter PATH or init:<family>)")
-    encoded = [(p, target.encode_prompt(p.text)) for p in prompts]
+    encoded = [(p, target.encode_prompt(p.messages)) for p in prompts]
     vllm_plan = _vllm_plan(target, drafter, cfg, encoded, work)  # before any decoding: fail fast
 
     runners: dict[str, Callable[[list[int]], Run]] = {

@@ -114,8 +114,9 @@ class BenchConfig(StrictModel):
     """A saved drafter directory, `init:<family>` for an untrained drafter, or None to skip
     the speculative methods."""
     prompts: str | None = None
-    """JSONL prompt file (`{"prompt": ...}` or Spec-Bench `{"turns": [...]}`); None = the
-    packaged default set."""
+    """JSONL prompt file (`{"prompt": ...}`, chat `{"messages": [...]}` or Spec-Bench
+    `{"turns": [...]}`) or a packaged set (`default`, `heldout`: long summaries and RAG
+    contexts, translation, math, QA, multi-turn chat); None = `default`."""
     limit: int | None = Field(None, ge=1)
     """Use only the first N prompts."""
     max_new_tokens: int = Field(128, ge=1, le=32768)
@@ -463,7 +464,7 @@ class BenchSpec(StrictModel):
     enabled: bool = True
     """Run it (needs the target on the rank-0 worker)."""
     prompts: str | None = None
-    """Prompt file; None = the packaged default set."""
+    """Prompt file or packaged set (`default`, `heldout`); None = `default`."""
     limit: int | None = Field(None, ge=1)
     """First N prompts only."""
     max_new_tokens: int = Field(128, ge=1)
@@ -657,7 +658,7 @@ class LoadtestConfig(StrictModel):
     """Modes compared level by level in one run: `server` = its policy; `on`/`off` force
     drafting per request (draftlab's `speculation` extension field)."""
     prompts: str | None = None
-    """JSONL prompt file; None = the packaged default set (cycled)."""
+    """JSONL prompt file or packaged set (`default`, `heldout`), cycled; None = `default`."""
     max_tokens: int = Field(128, ge=1)
     """Completion tokens per request."""
     temperature: float = Field(0.0, ge=0.0, le=2.0)

@@ -36,6 +36,8 @@ def test_fingerprint_is_stable_and_distinguishes_weights(tiny):
 def test_chat_template_applied(tiny):
     ids = tiny.encode_prompt("Hi")
     assert tiny.tokenizer.decode(ids) == "<user>Hi</s><assistant>"
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Again"}]
+    assert tiny.tokenizer.decode(tiny.encode_prompt(chat)) == "<user>Hi</s><assistant>Yo</s><user>Again</s><assistant>"
 
 
 def test_local_dir_roundtrip(tmp_path, tiny):

@@ -126,17 +126,17 @@ class Target:
         logits = self.lm_head(feats[:, -self.hidden_size :]).float()
         return list(zip(logits.split(lengths), feats.split(lengths), strict=True))
 
-    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
-        """Token ids for `text`; wrapped in the chat template as a user turn when one exists."""
+    def encode_prompt(self, text: str | list[dict], chat: bool = True) -> list[int]:
+        """Token ids for `text`, wrapped in the chat template as a user turn when one exists;
+        or for OpenAI-style `messages` (a multi-turn chat) through the template."""
         tok = self.tokenizer
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
         if chat and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
                 ids = ids["input_ids"]
             return list(ids)
-        return tok(text, add_special_tokens=True)["input_ids"]
+        return tok("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
 
 
 def _row_keys(rows: list | attention.RowPlan, device: torch.device) -> list[torch.Tensor]:

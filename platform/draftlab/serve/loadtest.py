@@ -44,8 +44,8 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, text: str, mode: str) -> Outcome:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": cfg.max_tokens,
+async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, messages: list[dict], mode: str) -> Outcome:
+    body = {"model": model, "messages": messages, "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature, "stream": cfg.stream}
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
@@ -92,11 +92,11 @@ def replica_rss_mb() -> dict[str, float]:
     return out
 
 
-async def _level(client, cfg: LoadtestConfig, model: str, texts: list[str], concurrency: int, mode: str,
+async def _level(client, cfg: LoadtestConfig, model: str, chats: list[list[dict]], concurrency: int, mode: str,
                  progress: bool = False) -> dict:
     n = cfg.requests or max(8, 2 * concurrency)
     todo = iter(range(n)) if cfg.duration_s is None else itertools.count()
-    prompts = itertools.cycle(texts)
+    prompts = itertools.cycle(chats)
     outcomes: list[Outcome] = []
     t0 = time.perf_counter()
     deadline = t0 + cfg.duration_s if cfg.duration_s else float("inf")
@@ -166,7 +166,7 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
 
 
 async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
-    texts = [p.text for p in load_prompts(cfg.prompts)]
+    chats = [p.messages for p in load_prompts(cfg.prompts)]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4)
     async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout_s,
@@ -177,11 +177,11 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
         for _ in range(cfg.warmup):
-            await _one(client, cfg, model, texts[0], cfg.speculation[0])
+            await _one(client, cfg, model, chats[0], cfg.speculation[0])
         levels = []
         for c in cfg.concurrency:
             for mode in cfg.speculation:
-                res = await _level(client, cfg, model, texts, c, mode, progress)
+                res = await _level(client, cfg, model, chats, c, mode, progress)
                 levels.append(res)
                 if progress:
                     print(format_row(res), flush=True)
