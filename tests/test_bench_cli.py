@@ -189,3 +189,15 @@ def test_near_tie_reports_the_targets_own_logits_at_a_mismatch(tiny, tiny_prompt
     assert tie["margin"] == pytest.approx(float(logits[-1, a[3]] - logits[-1, b[3]]))  # a is the greedy token
     assert tie["top2_gap"] >= 0 and tie["margin"] >= tie["top2_gap"]
     assert _near_tie(tiny, prompt, a, a[:3], 3) == {"tokens": [a[3], None]}
+
+
+def test_packaged_prompt_sets_by_name():
+    from draftlab.data.prompts import available_prompt_sets, load_prompts
+
+    assert {"default", "heldout"} <= set(available_prompt_sets())
+    held = load_prompts("heldout")
+    kinds = {p.category for p in held}
+    assert kinds == {"summarization", "rag", "translation", "math", "qa", "chat"} and len(held) == 18
+    assert max(len(p.text) for p in held if p.category in ("summarization", "rag")) > 2800  # long contexts
+    chats = [p for p in held if p.category == "chat"]
+    assert all(len(p.messages) >= 3 and p.messages[-1]["role"] == "user" for p in chats)
