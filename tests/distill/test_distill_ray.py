@@ -65,8 +65,17 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)]
     assert len(losses) == summary["steps"]
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3  # the loss falls
-    for key in ("eval/acc_pos1", "eval/sim_accept_len", "train/tokens_per_s_total", "tau", "speedup_vs_ar"):
+    for key in ("eval/acc_pos1", "eval/sim_accept_len", "train/tokens_per_s_total", "tau", "speedup_vs_ar",
+                "train/ms_forward_backward", "train/step_ms_collate"):
         assert key in run.data.metrics, key
+    assert set(summary["train_step_ms"]) == {"collate", "features", "forward_backward", "optimizer"}
+    # the bench's fastest method is what tree.json serves
+    served = load_tree(str(Path(summary["drafter_dir"]) / "tree.json"))
+    bench = summary["bench"]["methods"]
+    assert summary["best_method"] == max((m for m in bench if m != "ar"), key=lambda m: bench[m]["speedup_vs_ar"])
+    assert served.ngram is None and summary["tree"] in ("chain-3", "searched")
+    if summary["best_method"] == "draftlab_chain":
+        assert served.paths == ((0,), (0, 0), (0, 0, 0))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
     assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json", "drafter/tree-search.json"}
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "drafter"}

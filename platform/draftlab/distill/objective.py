@@ -83,25 +83,20 @@ class Stats:
 def node_losses(
     drafter: DrafterNet,
     out: torch.Tensor,  # (N, H) drafter outputs of loss nodes
-    teacher_h: torch.Tensor,  # (U, H) target states at the teacher positions
+    teacher_h: torch.Tensor,  # (N, H) target states at the teacher positions
     label: torch.Tensor,  # (N,) data tokens
     cfg: TrainConfig,
     full_vocab_agreement: bool = False,
-    teacher_of: torch.Tensor | None = None,  # (N,) row of teacher_h per node; None = U == N, in order
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-node loss (N,), KL (N,) and top-1 agreement (N,) bool.
 
-    Nodes that predict the same position share its teacher distribution: `teacher_of` maps
-    each node to one of U unique teacher states, whose head pass runs once.
     Agreement compares argmaxes over the head's vocabulary, or with `full_vocab_agreement`
     over the target's whole vocabulary (a target token that VocabTrim dropped is a miss:
     what the engine sees; costs a full-vocabulary head pass, so evaluation only)."""
     q_logp = torch.log_softmax(drafter.head_logits(out), -1)  # (N, Vt)
     with torch.no_grad():
-        t_logits = drafter.head_logits(teacher_h)  # (U, Vt) teacher over the same vocab
+        t_logits = drafter.head_logits(teacher_h)  # (N, Vt) teacher over the same vocab
         p_logp = torch.log_softmax(t_logits, -1)
-        if teacher_of is not None:
-            teacher_h, t_logits, p_logp = teacher_h[teacher_of], t_logits[teacher_of], p_logp[teacher_of]  # (N, .)
     kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)  # (N,)
     loss = cfg.kl_weight * kl
     if cfg.ce_weight:
@@ -131,27 +126,19 @@ def loss_and_backward(
     out = module(batch, hidden)  # (B, M, H)
     sel = batch.loss_mask  # (B, M)
     n_total = max(int(sel.sum()), 1)
-    # Loss nodes sorted by the position they predict, so the nodes sharing a teacher (node
-    # (a, d) predicts a + d: up to K of them) sit in one chunk and its head pass runs once.
-    rows = torch.arange(sel.shape[0], device=sel.device)[:, None].expand_as(sel)[sel]  # (N,) batch row
-    key = rows * hidden.shape[1] + batch.teacher_idx[sel]  # (N,) flat teacher position
-    order = torch.argsort(key, stable=True)  # (N,)
-    key = key[order]
-    flat_out = out.detach()[sel][order]  # (N, H): the loss runs on detached outputs, chunk by chunk
-    states = hidden[..., -out.shape[-1] :].reshape(-1, out.shape[-1])  # (B*L, H) last hidden states
-    label, depth = batch.label[sel][order], batch.depth[sel][order]  # (N,), (N,)
+    flat_out = out.detach()[sel]  # (N, H): the loss runs on detached outputs, chunk by chunk
+    teacher = gather_states(hidden[..., -out.shape[-1] :], batch.teacher_idx)[sel]  # (N, H) last hidden states
+    label, depth = batch.label[sel], batch.depth[sel]  # (N,), (N,)
     stats = Stats(k)
     grads = []
     for s in range(0, flat_out.shape[0], CHUNK_NODES):
         o = flat_out[s : s + CHUNK_NODES].requires_grad_(backward)
-        uniq, teacher_of = torch.unique_consecutive(key[s : s + CHUNK_NODES], return_inverse=True)  # (U,), (n,)
-        teacher = states[uniq]  # (U, H)
         loss, kl, agree = node_losses(
-            drafter, o, teacher, label[s : s + CHUNK_NODES], cfg, full_vocab_agreement=not backward, teacher_of=teacher_of
+            drafter, o, teacher[s : s + CHUNK_NODES], label[s : s + CHUNK_NODES], cfg, full_vocab_agreement=not backward
         )
         d = depth[s : s + CHUNK_NODES]
         if cfg.feature_weight:  # EAGLE feature regression: depth-0 output ~ next target state
-            feat = F.smooth_l1_loss(o.float(), teacher[teacher_of].float(), reduction="none").mean(-1)
+            feat = F.smooth_l1_loss(o.float(), teacher[s : s + CHUNK_NODES].float(), reduction="none").mean(-1)
             loss = loss + cfg.feature_weight * torch.where(d == 0, feat, torch.zeros_like(feat))
         total = loss.sum() / n_total
         if backward:
@@ -166,8 +153,6 @@ def loss_and_backward(
     if backward:
         full = torch.zeros_like(out)  # (B, M, H)
         if grads:
-            g = torch.empty_like(flat_out)  # (N, H) back from sorted to node order
-            g[order] = torch.cat(grads).to(g.dtype)
-            full[sel] = g.to(full.dtype)
+            full[sel] = torch.cat(grads).to(full.dtype)
         out.backward(full)
     return stats

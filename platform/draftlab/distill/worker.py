@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from draftlab.config import BenchConfig, DistillConfig
 from draftlab.data.selfdistill import training_view
+from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.distill.batching import Batch, collate
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
@@ -32,6 +33,11 @@ from draftlab.models.drafters.p_eagle import resolve_aux_layers
 from draftlab.models.drafters.registry import drafter_class
 from draftlab.models.target import Target, load_target
 from draftlab.tracking import Tracker
+
+# A training step's phases, timed per step and logged as train/ms_<phase>: build the packed
+# batch and its group mask; read (or compute) the target's features; drafter forward, loss and
+# backward; gradient clipping and the optimizer.
+PHASES = ("collate", "features", "forward_backward", "optimizer")
 
 
 def group_count(cfg: DistillConfig) -> int:
@@ -206,7 +212,8 @@ def train_fn_per_worker(config: dict) -> dict:
     gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank * 104729 + state["step"])
     t_start, elapsed0 = time.perf_counter(), state["elapsed_s"]
     elapsed = elapsed0  # training seconds so far (all ranks agree)
-    window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
+    window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k), "phases": dict.fromkeys(PHASES, 0.0)}
+    phase_totals = dict.fromkeys(PHASES, 0.0)  # seconds per step phase, this attempt
     # rank 0's last held-out evaluation (its metrics go with each report: Tune's ASHA reads them)
     latest = {"step": -1, "stats": Stats(k), "metrics": {}}
 
@@ -241,6 +248,7 @@ def train_fn_per_worker(config: dict) -> dict:
     while state["epoch"] < cfg.train.epochs and not stop:
         batches = epoch_batches(len(train), cfg.train.batch_size, state["epoch"], cfg.train.seed, rank, world)
         for idx in batches[state["batch"] :]:
+            clock = [time.perf_counter()]
             batch = collate(
                 [train[i] for i in idx], k, cfg.train.max_seq_len, cfg.train.drop_tokens, gen,
                 loss_on_prompt=cfg.train.loss_on_prompt,
@@ -248,10 +256,18 @@ def train_fn_per_worker(config: dict) -> dict:
             for g in optimizer.param_groups:
                 g["lr"] = cfg.train.lr * lr_factor(state["step"], cfg.train.warmup_steps, total_steps, elapsed / budget_s)
             with autocast(cfg, device):
-                stats = loss_and_backward(model, drafter, batch, teacher_states(target, batch, drafter.cfg.aux_layers), cfg.train, k)
+                clock.append(time.perf_counter())
+                feats = teacher_states(target, batch, drafter.cfg.aux_layers)
+                clock.append(time.perf_counter())
+                stats = loss_and_backward(model, drafter, batch, feats, cfg.train, k)
+                clock.append(time.perf_counter())
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            clock.append(time.perf_counter())
+            for name, t0, t1 in zip(PHASES, clock[:-1], clock[1:], strict=True):  # on GPU: launch times unless synced
+                window["phases"][name] += t1 - t0
+                phase_totals[name] += t1 - t0
             state["step"] += 1
             state["batch"] += 1
             state["tokens"] += batch.response_tokens
@@ -265,10 +281,11 @@ def train_fn_per_worker(config: dict) -> dict:
                 tracker.buffer_metrics(
                     {"loss": s.loss / cfg.train.log_every, "lr": optimizer.param_groups[0]["lr"],
                      "grad_norm": float(grad_norm), "train/tokens_per_s_worker": tps,
-                     "train/tokens_per_s_total": _all_ranks_sum(tps, device), **s.metrics("train")},
+                     "train/tokens_per_s_total": _all_ranks_sum(tps, device), **s.metrics("train"),
+                     **{f"train/ms_{n}": 1000 * v / cfg.train.log_every for n, v in window["phases"].items()}},
                     step,
                 )
-                window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k)}
+                window = {"t": time.perf_counter(), "tokens": 0, "stats": Stats(k), "phases": dict.fromkeys(PHASES, 0.0)}
             if rank == 0 and step % cfg.train.eval_every == 0 and len(evalset):
                 evaluate_now(step)
             tracker.poll()  # step complete: during an MLflow outage, retry delivery now and then
@@ -298,6 +315,7 @@ def train_fn_per_worker(config: dict) -> dict:
         "tokens": state["tokens"],
         "train_seconds": state["elapsed_s"],
         "train_tokens_per_s": state["tokens"] / state["elapsed_s"] if state["elapsed_s"] else 0.0,
+        "train_step_ms": {n: 1000 * v / max(1, state["step"] - resumed_from) for n, v in phase_totals.items()},
         "stopped_by_budget": stop,
         "eval_sim_accept_len": final_eval.sim_accept_len,
         "eval_accuracy": final_eval.accuracy,
@@ -321,11 +339,17 @@ def train_fn_per_worker(config: dict) -> dict:
         report_ = bench_loaded(target, served, bcfg, progress=False)
         summary["bench"] = report_
         best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
+        # the measured winner is what the drafter is served with: its tree.json
+        chosen = Tree.chain(cfg.drafter.k) if best.startswith("draftlab_chain") else Tree.from_paths(
+            [list(p) for p in load_tree(str(tree_file)).paths], split_ngram(cfg.bench.tree)[0])
+        chosen = chosen.with_ngram(bcfg.ngram) if best.endswith("_ngram") else chosen
+        (out_dir / "tree.json").write_text(chosen.to_json() + "\n")
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
-                    "best_method": best, "greedy_identical": report_["greedy_identical"]}
+                    "best_method": best, "tree": chosen.name, "greedy_identical": report_["greedy_identical"]}
         tracker.log_dict(report_, "bench.json")
     final_metrics = {k_: float(v) for k_, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     final_metrics |= {f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)}
+    final_metrics |= {f"train/step_ms_{n}": v for n, v in summary["train_step_ms"].items()}
     tracker.log_metrics_now(final_metrics, state["step"])
     tracker.log_artifacts(str(out_dir), "drafter")
     tracker.log_text(json.dumps(cfg.model_dump(), indent=2), "config.json")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.config import DistillConfig
+from draftlab.decoding.tree import Tree
 from draftlab.sweep.space import training_key, trial_config
 
 
@@ -247,7 +248,8 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
     with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
         staged = Path(tmp) / "drafter"
         shutil.copytree(p.cfg.output_dir, staged)
-        (staged / "tree.json").write_text(json.dumps(result["paths"]) + "\n")
+        served = Tree.from_paths(result["paths"], tree)
+        (staged / "tree.json").write_text((served.with_ngram() if result.get("ngram") else served).to_json() + "\n")
         tracker.log_artifacts(str(staged), "drafter")
     tracker.set_tags({"draftlab.status": "done", "draftlab.trained_here": str(summary["trained_here"]),
                       "draftlab.hardware": result["device"]})
