@@ -231,3 +231,30 @@ def test_unreachable_tracking_server_fails_fast(tmp_path):
     with pytest.raises(TrackingUnavailable, match="does not answer"):
         write_report(str(exp), tracking_uri="http://127.0.0.1:9")
     assert (exp / "report" / "report.html").is_file()  # written before logging was tried
+
+
+def test_training_curve_of_a_drafter_dir(tmp_path, tiny):
+    """`training.json` (written by every distillation, costs measured by the real profiler)
+    becomes the report's training-curve table and plot."""
+    from draftlab.config import DistillConfig
+    from draftlab.distill.worker import training_curve
+    from draftlab.models.drafters import init_drafter
+
+    cfg = DistillConfig.model_validate({"name": "t", "target": {"name": "tiny-llama"}, "drafter": {"k": 3},
+                                        "bench": {"search_context": 16}})
+    evals = [{"step": 50 * i, "minutes": 1.5 * i, "tokens": 4000 * i, "sim_accept_len": 1.0 + 0.2 * i,
+              "accuracy": [0.1 * i, 0.05 * i, 0.02 * i]} for i in (1, 2, 3)]
+    curve = training_curve(cfg, init_drafter("p-eagle", tiny, k=3, depth=1, seed=0), tiny, evals)
+    rows = curve["evaluations"]
+    assert curve["decode_ms"] > 0 and curve["verify_chain_ms"] > 0 and curve["draft_ms"] > 0
+    for r in rows:
+        assert r["predicted_speedup"] == pytest.approx(
+            r["sim_accept_len"] * curve["decode_ms"] / (curve["verify_chain_ms"] + curve["draft_ms"]))
+    assert rows[0]["predicted_speedup"] < rows[-1]["predicted_speedup"]
+    (tmp_path / "training.json").write_text(json.dumps(curve))
+    out = write_report(str(tmp_path), log=False)
+    page = Path(out["html"]).read_text()
+    assert "Training curve: what more training buys" in page and "draftlab report: training curve" in page
+    assert (Path(out["html"]).parent / "plots" / "training_curve.png").is_file()
+    md = Path(out["markdown"]).read_text()
+    assert "| 150 | 4.5" in md and "| 12,000 | 1.600 |" in md

@@ -6,8 +6,9 @@ SOURCE is a directory or an MLflow run id:
 
     <storage>/sweeps/<name>/        results/summary.json (+ its plots and results.csv)
     .draftlab/pipelines/<name>/     summary.json, bench.json, profile.json, sweep/
-    <run id>                        the same files among its artifacts; a distillation or
-                                    sweep-trial run has only bench.json
+    <drafter dir>                   training.json (the training curve) of `draftlab distill`
+    <run id>                        the same files among its artifacts; a distillation run has
+                                    bench.json and training.json, a sweep trial bench.json
 
 The page is built once as a list of blocks (heading, paragraph, note, table, image) and
 rendered twice, so the two files always say the same thing. A section appears only when
@@ -27,7 +28,7 @@ from pathlib import Path
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # what MLflow run ids look like
 # The artifacts a report reads (a distillation run's drafter/ weights are not downloaded).
-RUN_ARTIFACTS = ("summary.json", "bench.json", "profile.json", "sweep", "results")
+RUN_ARTIFACTS = ("summary.json", "bench.json", "profile.json", "training.json", "sweep", "results")
 SWEEP_PLOTS = ("speedup_vs_k.png", "speedup_vs_tree_budget.png", "pareto.png", "tau_by_category.png")
 SWEEP_COLUMNS = ("trial", "family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "tokens_per_s",
                  "draft_ms", "verify_ms", "drafter_parameters", "train_steps", "greedy_identical")
@@ -68,9 +69,9 @@ def write_report(source: str, out_dir: str | None = None, tracking_uri: str | No
 
 def _write(root: Path, label: str, out: Path, tracking_uri: str | None, log: bool, run_id: str | None) -> dict:
     inputs = find_inputs(root)
-    if not any(inputs[k] for k in ("pipeline", "sweep", "bench", "profile")):
+    if not any(inputs[k] for k in ("pipeline", "sweep", "bench", "profile", "training")):
         raise ValueError(f"report source {label!r} holds no report input: none of summary.json, results/summary.json, "
-                         f"sweep/summary.json, bench.json, profile.json")
+                         f"sweep/summary.json, bench.json, profile.json, training.json")
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     title, blocks = build(inputs, label, plots)
@@ -106,7 +107,8 @@ def find_inputs(root: Path) -> dict:
         sweep_file = root / "summary.json"
     return {"pipeline": top if top is not None and "rows" not in top else None,
             "sweep": _read(sweep_file) if sweep_file else None, "sweep_dir": sweep_file.parent if sweep_file else None,
-            "bench": _read(root / "bench.json"), "profile": _read(root / "profile.json")}
+            "bench": _read(root / "bench.json"), "profile": _read(root / "profile.json"),
+            "training": _read(root / "training.json")}
 
 
 # ----------------------------------------------------------------------------- sections
@@ -117,7 +119,8 @@ def build(inputs: dict, label: str, plots: Path) -> tuple[str, list[tuple]]:
     ("img", png path, caption)."""
     pipe, sweep, bench, prof = (inputs[k] for k in ("pipeline", "sweep", "bench", "profile"))
     what = (f"pipeline {pipe.get('name', '?')}" if pipe else f"sweep {sweep.get('sweep', '?')}" if sweep
-            else f"bench of {bench.get('target', '?')}" if bench else f"profile of {prof.get('target', '?')}")
+            else f"bench of {bench.get('target', '?')}" if bench else f"profile of {prof.get('target', '?')}" if prof
+            else "training curve")
     missing = [f"{name} is missing: no {gives}." for name, have, gives in (
         ("The sweep summary (results/summary.json)", sweep, "sweep table or sweep plots"),
         ("The bench report (bench.json)", bench, "per-category speedups, HF comparison or per-position acceptance"),
@@ -134,6 +137,8 @@ def build(inputs: dict, label: str, plots: Path) -> tuple[str, list[tuple]]:
         blocks += _comparison(bench) + _acceptance(bench)
     if prof:
         blocks += _profile(prof, plots)
+    if inputs["training"]:
+        blocks += _training(inputs["training"], plots)
     return f"draftlab report: {what}", blocks
 
 
@@ -254,6 +259,32 @@ def _acceptance(bench: dict) -> list[tuple]:
     return [("h2", "Per-position acceptance"),
             ("p", "Fraction of verify rounds that accepted at least this many draft tokens (mean over prompts)."),
             ("table", ("position", *acc), rows)]
+
+
+def _training(curve: dict, plots: Path) -> list[tuple]:
+    evals = curve.get("evaluations") or []
+    blocks: list[tuple] = [("h2", "Training curve: what more training buys"),
+                           ("p", f"Held-out evaluations of the run: simulated accept length of a K={curve.get('k')} "
+                                 f"chain, and its predicted speedup with this hardware's costs measured at the end "
+                                 f"(decode {_fmt(curve.get('decode_ms'))} ms, verify {_fmt(curve.get('verify_chain_ms'))} ms, "
+                                 f"draft {_fmt(curve.get('draft_ms'))} ms, context {curve.get('context')}).")]
+    if not evals:
+        return blocks + [("note", "The run made no held-out evaluation (train.eval_every beyond its steps).")]
+    keys = ("step", "minutes", "tokens", "sim_accept_len", "predicted_speedup")
+    blocks.append(("table", keys, [[e.get(k) for k in keys] for e in evals]))
+    return blocks + [("img", _training_plot(evals, plots / "training_curve.png"), "training curve")]
+
+
+def _training_plot(evals: list[dict], path: Path) -> Path:
+    from draftlab.sweep.report import figure, finish
+
+    plt, fig, axes = figure(ncols=2)
+    for ax, x, label in ((axes[0], "minutes", "training minutes"), (axes[1], "tokens", "training tokens")):
+        xs = [e[x] for e in evals]
+        ax.plot(xs, [e["sim_accept_len"] for e in evals], marker="o", label="sim. accept len (held out)")
+        ax.plot(xs, [e["predicted_speedup"] for e in evals], marker="s", label="predicted speedup (chain)")
+        ax.set(xlabel=label)
+    return finish(plt, fig, list(axes), path)
 
 
 def _profile(prof: dict, plots: Path) -> list[tuple]:

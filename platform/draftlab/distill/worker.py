@@ -166,6 +166,21 @@ def evaluate(module: DistillModule, target: Target, evalset: datasets.Dataset, c
     return stats
 
 
+def training_curve(cfg: DistillConfig, drafter: DrafterNet, target: Target, evaluations: list[dict]) -> dict:
+    """The run's held-out evaluations against training minutes and tokens, each priced as a
+    K-chain on this hardware: predicted speedup = sim. accept len x t_decode / (t_verify(K+1
+    rows) + t_draft(K)), with the costs measured once here (what more training would buy)."""
+    from draftlab.profiling import draft_ms, verify_ms
+
+    k, ctx = cfg.drafter.k, cfg.bench.search_context
+    with torch.inference_mode():
+        decode, chain = verify_ms(target, [None, Tree.chain(k)], ctx, repeats=5)
+        draft = draft_ms(drafter, k, ctx, repeats=5)
+    rows = [e | {"predicted_speedup": e["sim_accept_len"] * decode / (chain + draft)} for e in evaluations]
+    return {"k": k, "context": ctx, "decode_ms": decode, "verify_chain_ms": chain, "draft_ms": draft,
+            "evaluations": rows}
+
+
 def train_fn_per_worker(config: dict) -> dict:
     cfg = DistillConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -197,6 +212,7 @@ def train_fn_per_worker(config: dict) -> dict:
         drafter = build_drafter(cfg, target, train)
         optimizer = make_optimizer(drafter)
         state = {"step": 0, "epoch": 0, "batch": 0, "elapsed_s": 0.0, "tokens": 0}
+    state.setdefault("evaluations", [])  # the training curve (rank 0); older checkpoints lack it
     train, evalset = (usable_features(d, cfg, target, drafter) for d in (train, evalset))
     resumed_from = state["step"]
     # Metrics MLflow had not received when the checkpoint was saved (an outage) go out first.
@@ -220,6 +236,9 @@ def train_fn_per_worker(config: dict) -> dict:
     def evaluate_now(step: int) -> None:
         stats = evaluate(module, target, evalset, cfg, k)
         latest.update(step=step, stats=stats, metrics=stats.metrics("eval"))
+        state["evaluations"].append({"step": step, "minutes": (elapsed0 + time.perf_counter() - t_start) / 60,
+                                     "tokens": state["tokens"], "sim_accept_len": stats.sim_accept_len,
+                                     "accuracy": stats.accuracy})
         tracker.buffer_metrics(latest["metrics"], step)
 
     def report(final: bool = False) -> None:
@@ -326,11 +345,14 @@ def train_fn_per_worker(config: dict) -> dict:
     }
     out_dir = Path(config["output_dir"])
     drafter.eval().save(out_dir)
+    served = load_drafter(out_dir, target)  # as users load it: the target's dtype
+    curve = training_curve(cfg, served, target, state["evaluations"])
+    (out_dir / "training.json").write_text(json.dumps(curve, indent=2) + "\n")
+    tracker.log_dict(curve, "training.json")
     if cfg.bench.enabled:
         from draftlab.bench import bench_loaded
         from draftlab.distill.tree_select import choose_tree  # imports this module
 
-        served = load_drafter(out_dir, target)  # as users load it: the target's dtype
         tree_file = choose_tree(cfg, served, target, evalset, out_dir)
         bcfg = BenchConfig(
             target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
