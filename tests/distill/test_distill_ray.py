@@ -77,8 +77,11 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     if summary["best_method"] == "draftlab_chain":
         assert served.paths == ((0,), (0, 0), (0, 0, 0))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
-    assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json", "drafter/tree-search.json"}
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "drafter"}
+    assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json", "drafter/tree-search.json",
+                         "drafter/training.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "training.json", "drafter"}
+    curve = json.loads((Path(summary["drafter_dir"]) / "training.json").read_text())
+    assert [e["step"] for e in curve["evaluations"]][-1] == summary["steps"] and curve["verify_chain_ms"] > 0
     version = client.get_model_version(summary["registered_model"], summary["model_version"])
     assert version.run_id == run.info.run_id
     assert version.tags["k"] == "3" and version.tags["family"] == "p-eagle" and "tau" in version.tags

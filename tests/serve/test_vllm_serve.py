@@ -31,7 +31,9 @@ def base_url(tmp_path_factory):
     args = VllmServeArgs(target={"name": TARGET}, drafter="init:p-eagle", num_speculative_tokens=K,
                          export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"), served_model_name=MODEL,
                          api_keys=[KEY], max_model_len=512, gpu_memory_utilization=0.05, enforce_eager=True,
-                         engine_kwargs={"max_num_seqs": 8})
+                         # an explicit KV cache size: with only a share of RAM, vLLM subtracts the worker's
+                         # own RSS (~0.75 GiB) first, which went negative under the full suite
+                         engine_kwargs={"max_num_seqs": 8, "kv_cache_memory_bytes": 256 * 2**20})
     for url in local_serve():
         t0 = time.perf_counter()
         serve.run(build_vllm_app(args), name="vllm", route_prefix="/")
