@@ -35,6 +35,7 @@ from draftlab.models.target import Target, load_target
 from draftlab.vllm_offline import SpecCounters
 
 VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab")  # in the order their engines run
+TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
 
 
 @dataclass
@@ -141,7 +142,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
             cfg = cfg.model_copy(update={"tree": str(searched_tree_file(saved, budget))})
         k = cfg.k or 4
-        depth_needed = load_tree(cfg.tree or "default").depth if {"draftlab_tree", "draftlab_tree_ngram"} & set(cfg.methods) else k
+        depth_needed = load_tree(cfg.tree or "default").depth if set(TREE_METHODS) & set(cfg.methods) else k
         drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)
     return bench_loaded(target, drafter, cfg, progress)
 
@@ -180,7 +181,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     tree, k = None, cfg.k
     if spec_methods:
         k = cfg.k or drafter.cfg.k
-        if "draftlab_tree" in methods or "draftlab_tree_ngram" in methods:
+        if set(TREE_METHODS) & set(methods):
             tree = load_tree(cfg.tree or "default")
         for m, shape in (("draftlab_chain", Tree.chain(k)), ("draftlab_tree", tree)):
             for name, verified in ((m, shape), (f"{m}_ngram", shape and shape.with_ngram(cfg.ngram))):

@@ -60,8 +60,9 @@ class DecodeStats:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        if len(self.accepted_at) < depth:
-            self.accepted_at += [0] * (depth - len(self.accepted_at))
+        width = max(depth, accepted)  # grafted lookups may accept past the tree's depth
+        if len(self.accepted_at) < width:
+            self.accepted_at += [0] * (width - len(self.accepted_at))
         for j in range(accepted):
             self.accepted_at[j] += 1
 
@@ -328,7 +329,7 @@ class Session:
         self.root = bonus
         self.stats.draft_s += block.draft_s
         self.stats.verify_s += verify_s
-        self.stats.record(drafted=block.ids.numel() - 1, accepted=len(accepted), depth=max(self.dec.tree.depth, len(accepted)))
+        self.stats.record(drafted=block.ids.numel() - 1, accepted=len(accepted), depth=self.dec.tree.depth)
         if self.lookup is not None:
             self.lookup.extend(new)
         self.done = self.stopper.feed(new)

@@ -65,7 +65,7 @@ class Topology:
             out[i] = out[p] + 1
         return torch.tensor(out)
 
-    @property
+    @cached_property
     def depth(self) -> int:
         return int(self.depths.max())
 
@@ -120,10 +120,6 @@ class Tree(Topology):
     @classmethod
     def chain(cls, k: int) -> Tree:
         return cls.from_paths([[0] * d for d in range(1, k + 1)], name=f"chain-{k}")
-
-    @property
-    def depth(self) -> int:
-        return max(len(p) for p in self.paths)
 
     @property
     def max_rank(self) -> int:

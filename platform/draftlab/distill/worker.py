@@ -351,7 +351,7 @@ def train_fn_per_worker(config: dict) -> dict:
     tracker.log_dict(curve, "training.json")
     if cfg.bench.enabled:
         from draftlab.bench import bench_loaded
-        from draftlab.distill.tree_select import choose_tree  # imports this module
+        from draftlab.distill.tree_select import choose_tree, save_tree  # imports this module
 
         tree_file = choose_tree(cfg, served, target, evalset, out_dir)
         bcfg = BenchConfig(
@@ -365,7 +365,7 @@ def train_fn_per_worker(config: dict) -> dict:
         chosen = Tree.chain(cfg.drafter.k) if best.startswith("draftlab_chain") else Tree.from_paths(
             [list(p) for p in load_tree(str(tree_file)).paths], split_ngram(cfg.bench.tree)[0])
         chosen = chosen.with_ngram(bcfg.ngram) if best.endswith("_ngram") else chosen
-        (out_dir / "tree.json").write_text(chosen.to_json() + "\n")
+        save_tree(chosen, None, out_dir)
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
                     "best_method": best, "tree": chosen.name, "greedy_identical": report_["greedy_identical"]}
         tracker.log_dict(report_, "bench.json")

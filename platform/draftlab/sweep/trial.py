@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.config import DistillConfig
-from draftlab.decoding.tree import Tree
+from draftlab.decoding.tree import Tree, split_ngram
 from draftlab.sweep.space import training_key, trial_config
 
 
@@ -136,7 +136,6 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
             "draft_ms": 1000 * m.get("draft_s", 0.0) / max(1, m["forwards"]),  # per round (ours only)
             "verify_ms": 1000 * m.get("verify_s", 0.0) / max(1, m["forwards"]),
             "tree_nodes": tree.num_nodes, "tree_depth": tree.depth, "paths": [list(p) for p in tree.paths],
-            "ngram": tree.ngram is not None,
             "per_position_acceptance": m.get("per_position_acceptance"),
             "tau_by_category": {c: v["tau"] for c, v in m["by_category"].items()},
             "greedy_identical": report["vllm_greedy_identical"] if objective == "vllm" else report["greedy_identical"],
@@ -245,11 +244,13 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
     tracker.log_metrics_now(metrics if summary["trained_here"] else metrics | training, summary["steps"])
     metrics |= training
     tracker.log_dict(result, "bench.json")
+    from draftlab.distill.tree_select import save_tree
+
     with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
         staged = Path(tmp) / "drafter"
         shutil.copytree(p.cfg.output_dir, staged)
         served = Tree.from_paths(result["paths"], tree)
-        (staged / "tree.json").write_text((served.with_ngram() if result.get("ngram") else served).to_json() + "\n")
+        save_tree(served.with_ngram() if split_ngram(tree)[1] else served, None, staged)
         tracker.log_artifacts(str(staged), "drafter")
     tracker.set_tags({"draftlab.status": "done", "draftlab.trained_here": str(summary["trained_here"]),
                       "draftlab.hardware": result["device"]})
