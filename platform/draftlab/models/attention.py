@@ -10,8 +10,11 @@ greedy speculative output would drift from greedy decoding.
 
 This attention (registered with transformers as `draftlab`) removes both sources. Given a
 `RowPlan` (the caller's `draftlab_rows`), every query row becomes its own batch entry
-(q_len == 1) over the keys it may see - in cache order, the context then its tree ancestors
-and itself - padded with masked keys to a whole number of BLOCK keys. Fully masked key
+over the keys it may see - in cache order, the context then its tree ancestors and itself -
+padded with masked keys to a whole number of BLOCK keys. Within an entry, the query heads
+that share a KV head form its query length (GQA folded: one decoding step and every
+verified row run the kernel with the same shape; SDPA's `enable_gqa` path was 2-5x slower
+on CPU bf16). Fully masked key
 blocks add exact zeros, so a row's result depends only on its own visible keys: the
 target's decode step (`Target.forward` with one token) and a verify block of any width go
 through this same call and agree bit for bit. It is one SDPA call per layer for the whole
@@ -113,15 +116,14 @@ def row_exact_attention(
     else:
         k = key[0][:, plan.index].transpose(0, 1)  # (kv, T, Lp, d) -> (T, kv, Lp, d)
         v = value[0][:, plan.index].transpose(0, 1)
+    kv_heads, d = key.shape[1], query.shape[3]
+    # Each row its own batch entry; the query heads sharing a KV head are its query length
+    # (heads are grouped as HF's repeat_kv groups them): (T, kv, heads/kv, d).
+    q = query[0].transpose(0, 1).view(rows, kv_heads, -1, d)
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 2),  # (T, heads, 1, d): each row its own batch entry
-        k,
-        v,
-        attn_mask=plan.mask,
-        scale=getattr(module, "scaling", None),
-        enable_gqa=True,
-    )  # (T, heads, 1, d)
-    return out.permute(2, 0, 1, 3).contiguous(), None  # (1, T, heads, d)
+        q, k, v, attn_mask=plan.mask, scale=getattr(module, "scaling", None)
+    )  # (T, kv, heads/kv, d)
+    return out.reshape(1, rows, -1, d), None  # (1, T, heads, d)
 
 
 def install(model) -> None:
