@@ -49,17 +49,17 @@ def test_graft_shares_prefixes_and_adds_the_rest():
     assert same is tree and ids == nodes
     grown, ids = graft(tree, nodes, [10, 21, 40, 41])  # follows [0], [0, 1], then two new nodes
     assert isinstance(grown, GraftedTree)
-    assert ids == nodes + [40, 41]
-    assert grown.parents == tree.parents + [4, 7]
-    assert grown.depths.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 4]
-    assert grown.children[4] == [7] and grown.children[7] == [8]
+    # the branch leads (root, [0], [0, 1], 40, 41), then the static tree's other nodes
+    assert ids == [100, 10, 21, 40, 41, 11, 20, 22, 30]
+    assert grown.parents == [-1, 0, 1, 2, 3, 0, 1, 5, 6]
+    assert grown.depths.tolist() == [0, 1, 2, 3, 4, 1, 2, 2, 3]
+    assert grown.children[0] == [1, 5] and grown.children[1] == [2, 6] and grown.children[3] == [4]
     anc, counts = grown.ancestor_rows
-    assert anc[8, : counts[8]].tolist() == [0, 1, 4, 7, 8]
+    assert anc[4, : counts[4]].tolist() == [0, 1, 2, 3, 4] and anc[8, : counts[8]].tolist() == [0, 1, 6, 8]
     fresh, ids = graft(Tree.chain(2), [100, 10, 20], [55])  # a new root child beside the chain
-    assert fresh.parents == [-1, 0, 1, 0] and not fresh.is_chain and ids == [100, 10, 20, 55]
+    assert fresh.parents == [-1, 0, 0, 2] and not fresh.is_chain and ids == [100, 55, 10, 20]
     longer, _ = graft(Tree.chain(2), [100, 10, 20], [10, 20, 30])  # agrees, then goes deeper
     assert longer.is_chain and longer.depth == 3
-
 
 class TruthLookup:
     """Stands in for the session's `NgramIndex`: proposes the target's true greedy
@@ -81,7 +81,7 @@ class TruthLookup:
 @pytest.mark.parametrize("tree", [Tree.chain(3), load_tree("default")], ids=lambda t: t.name)
 def test_greedy_identity_when_grafted_drafts_are_accepted(tiny, tiny_prompts, tree, right):
     """Every drafter draft is wrong (`wrong_after=0`), so all acceptance comes from the
-    grafted branch (after the static tree's nodes: its accepted KV rows are gathered)."""
+    grafted branch (the block's leading chain, beside the static tree's nodes)."""
     for ids in tiny_prompts:
         ref = autoregressive_generate(tiny, ids, GREEDY)
         dec = SpeculativeDecoder(tiny, OracleDrafter(tiny, ids, wrong_after=0), tree.with_ngram())

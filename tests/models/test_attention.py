@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftlab.decoding.ngram import graft
 from draftlab.decoding.tree import load_tree
 from draftlab.models import attention
 from draftlab.models.target import (
@@ -60,13 +61,20 @@ def test_chain_block_equals_token_by_token_bitwise(tiny_bf16, path):
     assert torch.equal(block, _stepwise(tiny_bf16, path))
 
 
-def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16):
+@pytest.mark.parametrize("grafted", [False, True], ids=["static", "grafted"])
+def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16, grafted):
+    """Rows of a tree block equal decoding their root-to-node paths. A grafted tree's branch
+    leads the block as a chain: those rows read the cache in place (`RowPlan.prefix`), the
+    others gather their keys; a static (len, lex)-ordered tree leads with the root and [0]."""
     tree = load_tree("small-6")
     tokens = [4, 9, 33, 12, 6, 21, 14][: tree.num_nodes + 1]
+    if grafted:
+        tree, tokens = graft(tree, tokens, [9, 6, 40, 41])
     ctx = len(PREFIX)
     cache = _prefilled(tiny_bf16)
     seen = [row.nonzero()[:, 0] for row in tree.ancestor_mask]
     plan = attention.RowPlan.tree(ctx, torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen]))
+    assert plan.prefix == (5 if grafted else 2)
     explicit = attention.RowPlan.build([torch.cat([torch.arange(ctx), ctx + s]) for s in seen])
     assert torch.equal(plan.mask, explicit.mask)
     assert torch.equal(plan.index[plan.mask[:, 0, 0]], explicit.index[explicit.mask[:, 0, 0]])

@@ -57,30 +57,37 @@ class NgramIndex:
 
 @dataclass(frozen=True)
 class GraftedTree(Topology):
-    """One round's verification tree: a static tree plus grafted token branches.
+    """One round's verification tree: a static tree plus a grafted token branch.
 
-    Node order: the static tree's nodes, then the grafted ones (each after its parent)."""
+    Node order: the root, the branch (the static nodes it shares, then its new nodes), then
+    the static tree's other nodes in their order. The branch rows lead the verify block as a
+    chain, so they see causal prefixes of the cache and need no per-row key gather
+    (`attention.RowPlan.tree`): what a long prompt's copied spans are cheap for."""
 
     parents: list[int]  # (N+1,), the root's is -1
 
 
 def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology, list[int]]:
     """Add the token path `branch` (starting below the root) to `tree` whose node tokens are
-    `nodes` (root first). Shared prefixes reuse existing nodes. Returns (tree, nodes), the
-    inputs themselves when the branch adds nothing."""
-    parents, toks = list(tree.parents), list(nodes)
-    kids = [list(c) for c in tree.children]
-    cur, added = 0, False
+    `nodes` (root first). Shared prefixes reuse existing nodes. Returns (tree, nodes) in
+    `GraftedTree`'s order, the inputs themselves when the branch adds nothing."""
+    shared = []  # static nodes along the branch
     for tok in branch:
-        nxt = next((c for c in kids[cur] if toks[c] == tok), None)
+        nxt = next((c for c in tree.children[shared[-1] if shared else 0] if nodes[c] == tok), None)
         if nxt is None:
-            nxt = len(toks)
-            parents.append(cur)
-            toks.append(tok)
-            kids.append([])
-            kids[cur].append(nxt)
-            added = True
-        cur = nxt
-    if not added:
+            break
+        shared.append(nxt)
+    new = branch[len(shared):]
+    if not new:
         return tree, nodes
+    order = [0, *shared]  # static nodes by their new index
+    parents = list(range(-1, len(order) - 1)) + list(range(len(order) - 1, len(order) + len(new) - 1))
+    toks = [nodes[i] for i in order] + list(new)
+    index = {old: i for i, old in enumerate(order)}
+    on_branch = set(order)
+    for old in range(1, len(nodes)):
+        if old not in on_branch:
+            index[old] = len(toks)
+            parents.append(index[tree.parents[old]])
+            toks.append(nodes[old])
     return GraftedTree(parents), toks

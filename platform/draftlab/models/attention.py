@@ -13,16 +13,20 @@ This attention (registered with transformers as `draftlab`) removes both sources
 over the keys it may see - in cache order, the context then its tree ancestors and itself -
 padded with masked keys to a whole number of BLOCK keys. Within an entry, the query heads
 that share a KV head form its query length (GQA folded: one decoding step and every
-verified row run the kernel with the same shape; SDPA's `enable_gqa` path was 2-5x slower
-on CPU bf16). Fully masked key
+verified row run the kernel with the same shape, on one thread; SDPA's `enable_gqa` path,
+one query per entry, was 4-7x slower on CPU bf16). Fully masked key
 blocks add exact zeros, so a row's result depends only on its own visible keys: the
 target's decode step (`Target.forward` with one token) and a verify block of any width go
 through this same call and agree bit for bit. It is one SDPA call per layer for the whole
-block. Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
+block, or two when the leading rows see causal prefixes of the cache (a chain, a grafted
+branch: `RowPlan.prefix`) - those read the cache in place, only the others are gathered.
+Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +48,15 @@ def _padded(n: int) -> int:
 class RowPlan:
     """Which cache keys each query row sees, padded to a multiple of BLOCK keys.
 
-    Build it once per forward with `RowPlan.build(rows)`; every layer reuses it.
+    The first `prefix` rows see causal prefixes of the cache (keys 0..n-1): they read the
+    cache in place. The others see gathered keys (`index`). Build it once per forward with
+    `RowPlan.build(rows)` or `RowPlan.tree`; every layer reuses it.
     """
 
-    mask: torch.Tensor  # (T, 1, 1, Lp) bool: key j is visible to row i
-    index: torch.Tensor | None  # (T, Lp) cache indices of row i's keys; None = causal prefixes
+    mask: torch.Tensor  # (T, 1, 1, Lp) bool: key j (of row i's keys) is visible to row i
+    index: torch.Tensor | None  # (T, Lp) cache indices of row i's keys; None = all rows are prefixes
+    prefix: int  # leading rows that see causal prefixes (index[i] = arange)
+    prefix_keys: int  # Lp of those rows: a multiple of BLOCK
 
     @property
     def num_rows(self) -> int:
@@ -68,17 +76,18 @@ class RowPlan:
         lengths = torch.tensor([r if prefixes else len(r) for r in rows], device=device)  # (T,)
         keys = _padded(int(lengths.max()))  # Lp
         visible = torch.arange(keys, device=device)[None, :] < lengths[:, None]  # (T, Lp)
-        index = None
-        if not prefixes:
-            index = torch.zeros(len(rows), keys, dtype=torch.long, device=device)  # pads -> key 0, masked
-            for i, r in enumerate(rows):
-                index[i, : len(r)] = r
-        return cls(visible[:, None, None, :], index)
+        if prefixes:
+            return cls(visible[:, None, None, :], None, len(rows), keys)
+        index = torch.zeros(len(rows), keys, dtype=torch.long, device=device)  # pads -> key 0, masked
+        for i, r in enumerate(rows):
+            index[i, : len(r)] = r
+        return cls(visible[:, None, None, :], index, 0, 0)
 
     @classmethod
     def tree(cls, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> RowPlan:
         """Rows of a tree block appended after `ctx` cached keys: row i sees the context,
         then block rows `ancestors[i, :counts[i]]` (its ancestors and itself, in order).
+        Leading rows that form a chain (row i's ancestors are rows 0..i) are prefixes.
 
         ancestors: (T, A) block offsets, padded with anything; counts: (T,).
         """
@@ -87,7 +96,24 @@ class RowPlan:
         slot = (cols - ctx).clamp(0, ancestors.shape[1] - 1)  # (Lp,) ancestor slot of a block column
         index = torch.where(cols < ctx, cols, ctx + ancestors[:, slot])  # (T, Lp)
         visible = cols[None, :] < (ctx + counts)[:, None]  # (T, Lp)
-        return cls(visible[:, None, None, :], index)
+        # Row i with i + 1 ancestors (itself included, all < i + 1) sees rows 0..i, so its
+        # parent i - 1 does too: these rows are a leading run.
+        prefix = int((counts == torch.arange(1, len(counts) + 1, device=counts.device)).sum())
+        return cls(visible[:, None, None, :], index, prefix, _padded(ctx + prefix))
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The CPU flash kernel with a query length > 1 rounds a batch entry differently
+    depending on how its work is split across threads (measured: identical entries of one
+    2-thread call differ in the last bits), so row-exact calls run it on one thread: every
+    entry is then computed alike, whatever the batch (rows) beside it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def row_exact_attention(
@@ -102,27 +128,31 @@ def row_exact_attention(
     plan = draftlab_rows
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    rows, keys = query.shape[2], plan.num_keys
+    rows = query.shape[2]
     if query.shape[0] != 1:
         raise ValueError(f"row-exact attention runs one sequence at a time, got a batch of {query.shape[0]}")
     if plan.num_rows != rows:
         raise ValueError(f"row plan has {plan.num_rows} rows for {rows} queries")
-    if plan.index is None:
-        if keys < key.shape[2]:
-            raise ValueError(f"row plan covers {keys} keys but the cache has {key.shape[2]}")
-        pad = (0, 0, 0, keys - key.shape[2])
-        k = F.pad(key, pad).expand(rows, -1, -1, -1)  # (T, kv, Lp, d), no copy per row
-        v = F.pad(value, pad).expand(rows, -1, -1, -1)
-    else:
-        k = key[0][:, plan.index].transpose(0, 1)  # (kv, T, Lp, d) -> (T, kv, Lp, d)
-        v = value[0][:, plan.index].transpose(0, 1)
     kv_heads, d = key.shape[1], query.shape[3]
     # Each row its own batch entry; the query heads sharing a KV head are its query length
     # (heads are grouped as HF's repeat_kv groups them): (T, kv, heads/kv, d).
     q = query[0].transpose(0, 1).view(rows, kv_heads, -1, d)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=plan.mask, scale=getattr(module, "scaling", None)
-    )  # (T, kv, heads/kv, d)
+    scale = getattr(module, "scaling", None)
+    groups = []  # (first row, rows, keys, values, mask) per SDPA call
+    if plan.prefix:  # causal prefixes: the cache itself, masked past each row's keys
+        p, keys = plan.prefix, plan.prefix_keys
+        if plan.index is None and keys < key.shape[2]:
+            raise ValueError(f"row plan covers {keys} keys but the cache has {key.shape[2]}")
+        k, v = (t[:, :, :keys] if keys <= t.shape[2] else F.pad(t, (0, 0, 0, keys - t.shape[2])) for t in (key, value))
+        groups.append((0, p, k.expand(p, -1, -1, -1), v.expand(p, -1, -1, -1), plan.mask[:p, ..., :keys]))
+    if plan.prefix < rows:  # the others: each row's keys gathered in order
+        p, index = plan.prefix, plan.index[plan.prefix :]  # (T-P, Lp)
+        k, v = (t[0][:, index].transpose(0, 1) for t in (key, value))  # (kv, T-P, Lp, d) -> (T-P, kv, Lp, d)
+        groups.append((p, rows - p, k, v, plan.mask[p:]))
+    with _one_thread():
+        outs = [F.scaled_dot_product_attention(q[a : a + n], k, v, attn_mask=m, scale=scale)
+                for a, n, k, v, m in groups]  # (n, kv, heads/kv, d) each
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, kv, heads/kv, d)
     return out.reshape(1, rows, -1, d), None  # (1, T, heads, d)
 
 
