@@ -1,8 +1,9 @@
 """An oracle proposer for engine tests: it knows the target's greedy continuation.
 
 It satisfies the drafter contract (`new_state`, `propose`, `check_k`) by running the target
-itself without a cache (tiny models, or SmolLM2 for a few dozen tokens). `ranks[j]` puts the true token at that rank of
-position j's distribution, so tree tests can force acceptance along non-top-1 paths.
+itself without a cache (tiny models, or SmolLM2 for a few dozen tokens). `ranks[j]` puts the
+true token at that rank of position j's distribution, so tree tests can force acceptance
+along non-top-1 paths.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ def test_graft_shares_prefixes_and_adds_the_rest():
     longer, _ = graft(Tree.chain(2), [100, 10, 20], [10, 20, 30])  # agrees, then goes deeper
     assert longer.is_chain and longer.depth == 3
 
+
 class TruthLookup:
     """Stands in for the session's `NgramIndex`: proposes the target's true greedy
     continuation, right for `right` tokens and then wrong, so grafted nodes are what the

@@ -14,10 +14,10 @@ over the keys it may see - in cache order, the context then its tree ancestors a
 padded with masked keys to a whole number of BLOCK keys. Within an entry, the query heads
 that share a KV head form its query length (GQA folded: one decoding step and every
 verified row run the kernel with the same shape, on one thread; SDPA's `enable_gqa` path,
-one query per entry, was 4-7x slower on CPU bf16). Fully masked key
-blocks add exact zeros, so a row's result depends only on its own visible keys: the
-target's decode step (`Target.forward` with one token) and a verify block of any width go
-through this same call and agree bit for bit. It is one SDPA call per layer for the whole
+one query per entry, was 4-7x slower on CPU bf16). Fully masked key blocks add exact
+zeros, so a row's result depends only on its own visible keys: the target's decode step
+(`Target.forward` with one token) and a verify block of any width go through this same
+call and agree bit for bit. It is one SDPA call per layer for the whole
 block, or two when the leading rows see causal prefixes of the cache (a chain, a grafted
 branch: `RowPlan.prefix`) - those read the cache in place, only the others are gathered.
 Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
