@@ -15,8 +15,12 @@ from oracle import OracleDrafter
 pytestmark = pytest.mark.slow
 
 
-def test_smollm2_greedy_speculative_identical():
-    target = load_target("smollm2-135m")
+@pytest.fixture(scope="module")
+def target():
+    return load_target("smollm2-135m")
+
+
+def test_smollm2_greedy_speculative_identical(target):
     assert target.vocab_size == 49152 and target.model.config.num_hidden_layers == 30
     ids = target.encode_prompt("What is the capital of France?")
     params = SamplingParams(max_new_tokens=24)
@@ -28,12 +32,10 @@ def test_smollm2_greedy_speculative_identical():
         assert out.tokens == ref.tokens, tree.name
 
 
-
-def test_smollm2_verify_rows_equal_decoding_bitwise():
+def test_smollm2_verify_rows_equal_decoding_bitwise(target):
     """Every row of a 4-row verify block equals the decoding step at its position, bit for
     bit, on the real bf16 target with a packaged prompt, for blocks starting at each of 48
     positions (with the kernel's work split across threads, some of these rows differed)."""
-    target = load_target("smollm2-135m")
     prompt = next(p for p in load_prompts() if p.category == "writing")
     ids = target.encode_prompt(prompt.messages)
     cache = target.new_cache()
@@ -55,10 +57,9 @@ def test_smollm2_verify_rows_equal_decoding_bitwise():
 
 
 @pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default").with_ngram()], ids=["chain-4", "default+ngram"])
-def test_smollm2_accepted_drafts_identical(tree):
+def test_smollm2_accepted_drafts_identical(target, tree):
     """Accepted rows (and the KV rows they leave in the cache) in bf16 on the real target:
     an oracle drafter right for two tokens per round, then wrong."""
-    target = load_target("smollm2-135m")
     ids = target.encode_prompt("Write a short story about a lighthouse keeper and a storm.")
     params = SamplingParams(max_new_tokens=64)
     ref = autoregressive_generate(target, ids, params)

@@ -80,13 +80,11 @@ def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology
     new = branch[len(shared):]
     if not new:
         return tree, nodes
-    order = [0, *shared]  # static nodes by their new index
-    parents = list(range(-1, len(order) - 1)) + list(range(len(order) - 1, len(order) + len(new) - 1))
-    toks = [nodes[i] for i in order] + list(new)
-    index = {old: i for i, old in enumerate(order)}
-    on_branch = set(order)
+    index = {old: i for i, old in enumerate([0, *shared])}  # static node -> new index
+    toks = [nodes[old] for old in index] + list(new)
+    parents = list(range(-1, len(toks) - 1))  # root, shared nodes, new nodes: one chain
     for old in range(1, len(nodes)):
-        if old not in on_branch:
+        if old not in index:
             index[old] = len(toks)
             parents.append(index[tree.parents[old]])
             toks.append(nodes[old])
