@@ -22,6 +22,9 @@ def check_contract(report: dict, prompts: int, max_new: int) -> None:
         for key in ("tokens_per_s", "tau", "speedup_vs_ar"):
             assert isinstance(m[key], float), (name, key)
         assert m["tokens_per_s"] > 0 and m["tau"] >= 1.0
+        # agreement with `ar`'s greedy output; None when sampling
+        for key in ("greedy_match_rate", "greedy_token_match_rate"):
+            assert m[key] is None or 0.0 <= m[key] <= 1.0, (name, key)
         assert m["by_category"], name
         for cat in m["by_category"].values():
             assert isinstance(cat["tokens_per_s"], float) and isinstance(cat["tau"], float)
@@ -38,8 +41,30 @@ def test_bench_writes_contract_json(tmp_path, capsys):
     check_contract(report, prompts=3, max_new=24)
     assert report["greedy_identical"] is True
     assert report["hf_generate_matches_ar"] is True
+    for name, m in report["methods"].items():  # CPU: row-exact attention, every output identical
+        assert m["greedy_match_rate"] == 1.0 and m["greedy_token_match_rate"] == 1.0, name
     assert set(report["methods"]["ar"]["by_category"]) == {"writing", "roleplay", "reasoning"}
     assert "draftlab_tree" in capsys.readouterr().out
+
+
+def test_greedy_match_rate_counts_prompts_and_tokens_before_the_first_difference():
+    """On CUDA (fused attention) a floating-point near-tie may flip a greedy token: the
+    bench reports how much of `ar`'s output each method still reproduces."""
+    from draftlab.bench import _greedy_match
+
+    ar = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
+    spec = [[1, 2, 9, 4], [5, 6], [7, 8]]  # flips at 2; identical; stops early (EOS) at 2
+    rates = {"greedy_match_rate": 1 / 3, "greedy_token_match_rate": 6 / 10}
+    assert _greedy_match(ar, spec) == rates
+    assert _greedy_match(ar, ar) == {"greedy_match_rate": 1.0, "greedy_token_match_rate": 1.0}
+
+
+def test_bench_sampled_has_no_greedy_match_rate(tmp_path):
+    out = tmp_path / "bench.json"
+    args = "--limit 1 --warmup 0 --max-new-tokens 6 --temperature 0.8 --methods ar,draftlab_chain"
+    assert main(["bench", "--target", "tiny-llama", *args.split(), "--json", str(out)]) == 0
+    for m in json.loads(out.read_text())["methods"].values():
+        assert m["greedy_match_rate"] is None and m["greedy_token_match_rate"] is None
 
 
 def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):

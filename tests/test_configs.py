@@ -113,3 +113,81 @@ def test_every_config_kind_names_file_field_and_allowed_values(tmp_path, title, 
             load_yaml(model, f)
         msg = str(e.value)
         assert str(f) in msg and f"{dotted}" in msg and all(repr(a) in msg for a in allowed), msg
+
+
+# --- the catalogue: what is trained, swept and promoted is what is served -----------------
+
+
+def _registrations() -> dict[str, set[str]]:
+    """Registered drafter model -> the targets registering it, from every training config
+    (distill and pipeline files in jobs/configs) and every sweep (its promotion), each loaded
+    through its own loader and named by the library's `registered_name`."""
+    from draftlab.distill.trainer import registered_name
+    from draftlab.pipeline.config import load_pipeline
+    from draftlab.sweep.space import load_sweep, trial_config
+
+    trained: list[DistillConfig] = []
+    for path in JOB_CONFIGS:
+        if path.name.startswith("pipeline-") and "\ndistill:" in path.read_text():
+            trained.append(load_pipeline(path).distill)
+        elif model_for(path) is DistillConfig:
+            trained.append(load_yaml(DistillConfig, path))
+    for path in sorted((ROOT / "sweeps").glob("*.yaml")):
+        trained.append(trial_config(load_sweep(path)[1], {}))
+    out: dict[str, set[str]] = {}
+    for cfg in trained:
+        out.setdefault(registered_name(cfg), set()).add(cfg.target.name)
+    return out
+
+
+def _served_apps(tmp_path: Path) -> list[tuple[str, object]]:
+    """(where, validated args) of every application of serving/*.yaml and of every infra
+    manifest embedding a Serve config (RayService `serveConfigV2`), through `load_serve_config`."""
+    from draftlab.serve.control import load_serve_config
+
+    docs = [(p.relative_to(ROOT).as_posix(), yaml.safe_load(p.read_text())) for p in sorted((ROOT / "serving").glob("*.yaml"))]
+    for p in sorted((ROOT / "infra").rglob("*.yaml")):
+        for d in yaml.safe_load_all(p.read_text()):
+            if isinstance(d, dict) and "serveConfigV2" in (d.get("spec") or {}):
+                docs.append((f"{p.relative_to(ROOT).as_posix()}:serveConfigV2", yaml.safe_load(d["spec"]["serveConfigV2"])))
+    apps = []
+    for where, doc in docs:
+        for i, app in enumerate(doc["applications"]):
+            f = tmp_path / f"app-{len(apps)}.yaml"  # one application per file: the loader reads the first
+            f.write_text(yaml.safe_dump({"applications": [app]}))
+            apps.append((f"{where}: applications[{i}]", load_serve_config(f)["args"]))
+    return apps
+
+
+def test_catalogue_serves_what_it_trains(tmp_path):
+    """Every served `models:/NAME@alias` (or the default for its target) is the model some
+    training config or sweep registers, and an explicit serving target is the target that
+    model was trained for (else the replica's fingerprint check fails)."""
+    from draftlab.serve.pair import _parse_models_uri, default_model_uri
+
+    registered = _registrations()
+    for name, targets in registered.items():
+        assert len(targets) == 1, f"{name} is registered for several targets: {sorted(targets)}"
+    apps = _served_apps(tmp_path)
+    assert any("rayservice" in where for where, _ in apps)
+    problems = []
+    for where, args in apps:
+        if args.drafter is not None:
+            continue  # an explicit drafter directory, not a catalogue entry
+        name = _parse_models_uri(args.model_uri or default_model_uri(args))[0]
+        if name not in registered:
+            problems.append(f"{where}: {name} is registered by no config (registered: {sorted(registered)})")
+            continue
+        (trained_for,) = registered[name]
+        if "target" in args.model_fields_set and "name" in args.target.model_fields_set and args.target.name != trained_for:
+            problems.append(f"{where}: target {args.target.name!r}, but {name} is trained for {trained_for!r}")
+    assert not problems, "\n".join(problems)
+    # the pipelines' endpoints serve the target they distil
+    from draftlab.pipeline.config import load_pipeline
+
+    for path in JOB_CONFIGS:
+        if path.name.startswith("pipeline-") and "\ndistill:" in path.read_text():
+            p = load_pipeline(path)
+            served = p.serve_spec("models:/x@champion", "sqlite:///x.db")["args"]
+            if "name" in served.target.model_fields_set:
+                assert served.target.name == p.distill.target.name, path.name

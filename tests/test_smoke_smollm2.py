@@ -35,7 +35,12 @@ def test_smollm2_greedy_speculative_identical(target):
 def test_smollm2_verify_rows_equal_decoding_bitwise(target):
     """Every row of a 4-row verify block equals the decoding step at its position, bit for
     bit, on the real bf16 target with a packaged prompt, for blocks starting at each of 48
-    positions (with the kernel's work split across threads, some of these rows differed)."""
+    positions (with the kernel's work split across threads, some of these rows differed).
+
+    In float32 (CPUs without AMX/AVX512-BF16, where `dtype: auto` picks it) MKL's sgemm
+    rounds a row differently for 1-3 rows than for 4+ (measured on an AVX2 EPYC), so there
+    rows match decoding to float32 precision and pick the same token, not bit for bit."""
+    exact = target.dtype == torch.bfloat16
     prompt = next(p for p in load_prompts() if p.category == "writing")
     ids = target.encode_prompt(prompt.messages)
     cache = target.new_cache()
@@ -52,7 +57,11 @@ def test_smollm2_verify_rows_equal_decoding_bitwise(target):
         block, _ = target.forward(torch.tensor(tokens[s : s + 4]), torch.arange(ctx, ctx + 4), cache,
                                   rows=[ctx + i + 1 for i in range(4)])
         for i in range(4):
-            assert torch.equal(block[i], decoded[s + i]), f"block at {ctx}, row {i}"
+            if exact:
+                assert torch.equal(block[i], decoded[s + i]), f"block at {ctx}, row {i}"
+            else:
+                torch.testing.assert_close(block[i], decoded[s + i], rtol=0, atol=1e-3, msg=f"block at {ctx}, row {i}")
+                assert int(block[i].argmax()) == int(decoded[s + i].argmax()), f"block at {ctx}, row {i}"
         keep_rows(cache, ctx, [0])  # keep the first row: the cache advances one token
 
 

@@ -32,6 +32,7 @@ from draftlab.decoding.tree_search import searched_budget
 from draftlab.hardware import describe_device, sync
 from draftlab.models.drafters.network import DrafterNet, resolve_drafter
 from draftlab.models.target import Target, load_target
+from draftlab.storage import local_copy
 from draftlab.vllm_offline import SpecCounters
 
 VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab")  # in the order their engines run
@@ -131,7 +132,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_target(cfg.target)
     drafter = None
     if cfg.drafter is not None and any(m.startswith("draftlab_") or m == "vllm_draftlab" for m in cfg.methods):
-        saved = None if cfg.drafter.startswith("init:") else Path(cfg.drafter)
+        saved = None if cfg.drafter.startswith("init:") else local_copy(cfg.drafter)  # s3://...: its mirror
         if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
             cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
         budget = searched_budget(cfg.tree)
@@ -210,6 +211,12 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         [r.tokens for _, r in runs[m]] == ar_tokens for m in spec_methods
     ) and bool(spec_methods)
     summary = {m: _summarise(rs) for m, rs in runs.items()}
+    for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
+        summary[m] |= (
+            _greedy_match(ar_tokens, [r.tokens for _, r in rs])
+            if params.greedy
+            else {"greedy_match_rate": None, "greedy_token_match_rate": None}
+        )
     _add_speedups(summary, "ar")
     if vllm_runs:
         _add_speedups(summary, "vllm_ar")
@@ -261,6 +268,24 @@ def _add_speedups(summary: dict, base: str) -> None:
         for cat, c in s["by_category"].items():
             bc = b["by_category"].get(cat, {}).get("tokens_per_s")
             c[key] = c["tokens_per_s"] / bc if bc else 0.0
+
+
+def _greedy_match(reference: list[list[int]], outputs: list[list[int]]) -> dict:
+    """Greedy agreement with the reference (`ar`) outputs, prompt by prompt:
+    `greedy_match_rate` = the fraction of prompts whose output is identical,
+    `greedy_token_match_rate` = the fraction of the reference's tokens reproduced before the
+    first difference. 1.0 both on CPU (row-exact attention); on CUDA (fused attention)
+    floating-point near-ties may flip a token, and every later token counts as lost."""
+    same = sum(a == b for a, b in zip(reference, outputs, strict=True))
+    total = sum(len(a) for a in reference)
+    kept = sum(
+        len(a) if (i := _first_difference(a, b)) is None else i
+        for a, b in zip(reference, outputs, strict=True)
+    )
+    return {
+        "greedy_match_rate": same / len(reference) if reference else 1.0,
+        "greedy_token_match_rate": kept / total if total else 1.0,
+    }
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -363,11 +388,16 @@ def render_table(report: dict) -> str:
 
     table = Table(title=f"draftlab bench: {report['target']} on {report['device']}")
     vllm = report.get("vllm") is not None
-    for col in ("method", "tokens/s", "tau", "speedup vs ar") + (("speedup vs vllm_ar",) if vllm else ()):
+    cols = ("method", "tokens/s", "tau", "speedup vs ar", "greedy match (prompts/tokens)")
+    for col in cols + (("speedup vs vllm_ar",) if vllm else ()):
         table.add_column(col, justify="right" if col != "method" else "left")
     for m, s in report["methods"].items():
         extra = (f"{s['speedup_vs_vllm_ar']:.2f}x",) if vllm else ()
-        table.add_row(m, f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", f"{s['speedup_vs_ar']:.2f}x", *extra)
+        match = "n/a"
+        if s.get("greedy_match_rate") is not None:
+            match = f"{s['greedy_match_rate']:.0%} / {s['greedy_token_match_rate']:.1%}"
+        speed = (f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", f"{s['speedup_vs_ar']:.2f}x")
+        table.add_row(m, *speed, match, *extra)
     console = Console(record=True, width=100)
     with console.capture() as cap:
         console.print(table)

@@ -7,6 +7,7 @@ name the field (and, via :func:`load_yaml`, the file) so a typo fails before any
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -20,6 +21,26 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, use_attribute_docstrings=True)
 
 
+GATED_ORGS = ("meta-llama/", "google/gemma")
+"""Hub name prefixes under which every repo is gated (its licence must be accepted on the hub
+by the token's account): a `gated` left unset is true for them, false elsewhere."""
+
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # `org/name`; presets have no slash
+
+
+def _gated_hub_repo(name: str | None, gated: bool | None) -> str | None:
+    """`name` when it names a hub repo (not a local path) that is gated (`gated`, or by default
+    one under `GATED_ORGS`); None otherwise. Decided from the config and the file system: a
+    repo's hub settings cannot be read offline."""
+    if not name or not _HUB_NAME.fullmatch(name) or Path(name).expanduser().exists():
+        return None
+    return name if (gated if gated is not None else name.startswith(GATED_ORGS)) else None
+
+
+def _unset(value) -> bool:
+    return value is None
+
+
 class TargetSpec(StrictModel):
     """Which frozen target LM to load and how."""
 
@@ -31,8 +52,22 @@ class TargetSpec(StrictModel):
     on other CPUs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the target runs. `auto` = cuda when available, else cpu."""
+    attention: Literal["auto", "row-exact", "fused"] = "auto"
+    """Verify-block attention. `row-exact`: each row computed as decoding computes it (greedy
+    output identical bit for bit; per-row key copies, a CPU device). `fused`: one kernel over
+    the KV cache with a tree mask (no copies; identical up to floating-point ties). `auto` =
+    row-exact on CPU, fused on CUDA."""
     trust_remote_code: bool = False
     """Allow the hub/dir to run its own modelling code. Off unless you trust the source."""
+    gated: bool | None = Field(None, exclude_if=_unset)
+    """A hub target whose licence must be accepted on the hub (Llama, Gemma): distill, sweep
+    and pipeline jobs then fail at start, before any Ray work, when no Hugging Face token is
+    set (`HF_TOKEN`, or `hf auth login` on the node). None = true for hub ids under
+    `meta-llama/` and `google/gemma`, false for others; presets and local paths never need one."""
+
+    def gated_repo(self) -> str | None:
+        """The hub repo a token is needed for (see `gated`), or None."""
+        return _gated_hub_repo(self.name, self.gated)
 
 
 class SamplingParams(StrictModel):
@@ -291,6 +326,15 @@ class PromptSourceConfig(StrictModel):
     conversations: str | None = None
     """`dataset`: ShareGPT-style column (list of {from|role, value|content}); the first
     human/user turn is the prompt."""
+    data_files: str | list[str] | None = Field(None, exclude_if=_unset)
+    """`dataset` from the hub or a local directory: read only these files of it (names or glob
+    patterns, as `datasets.load_dataset(data_files=...)`). A repo without a loading config
+    otherwise yields every JSON file in it as one split: ShareGPT_Vicuna_unfiltered needs
+    `ShareGPT_V3_unfiltered_cleaned_split.json`. None = the repo's own layout."""
+    gated: bool | None = Field(None, exclude_if=_unset)
+    """`dataset` from the hub: its terms must be accepted on the hub, so distill, sweep and
+    pipeline jobs fail at start when no Hugging Face token is set (`HF_TOKEN`). None = true
+    under `meta-llama/` and `google/gemma`, false for others; local files never need one."""
     num_prompts: int = Field(512, ge=1)
     """How many prompts to use (after dedup and filtering)."""
     min_chars: int = Field(8, ge=1)
@@ -307,6 +351,10 @@ class PromptSourceConfig(StrictModel):
     """`magpie`: nucleus mass for prompt writing."""
     seed: int = 0
     """Seed for magpie sampling and for the train/eval split."""
+
+    def gated_repo(self) -> str | None:
+        """The hub dataset a token is needed for (see `gated`), or None."""
+        return _gated_hub_repo(self.path, self.gated) if self.kind == "dataset" else None
 
 
 class DataConfig(StrictModel):
@@ -414,9 +462,14 @@ class TrainConfig(StrictModel):
     """Record training metrics every N steps."""
     seed: int = 0
     """Seed for init, shuffling and drop-token sampling."""
-    autocast: Literal["none", "bf16", "fp16"] = "none"
+    autocast: Literal["auto", "none", "bf16", "fp16"] = "auto"
     """Mixed precision for the drafter's forward/backward (weights and optimizer stay fp32).
-    `bf16` uses AMX on recent Xeons (~2x faster here) and tensor cores on GPUs."""
+    `auto` = bf16 on CUDA GPUs that support it (Ampere+), fp32 elsewhere; `bf16` also uses
+    AMX on recent Xeons (~2x faster here); `fp16` adds a GradScaler (loss scaling). On CUDA
+    every mode but `none` (strict fp32) also enables TF32 matmuls."""
+    prefetch: int = Field(2, ge=0)
+    """Batches a background DataLoader worker builds ahead of the step (pinned on CUDA);
+    0 = build each batch in the training loop. The batches are the same either way."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads per worker (None = torch's default)."""
 
@@ -433,7 +486,9 @@ class ScalingSpec(StrictModel):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How workers are placed across nodes."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """Data-parallel wrapper."""
+    """Data-parallel wrapper: `ddp` = a full drafter replica per worker; `fsdp` = FSDP2
+    (`fully_shard` per decoder layer): weights, gradients and optimizer state sharded across
+    workers (GPUs with NCCL, or CPUs with gloo)."""
     max_failures: int = Field(2, ge=-1)
     """Worker failures tolerated (restart from the latest checkpoint); -1 = unlimited."""
 

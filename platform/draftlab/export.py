@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from draftlab.config import TargetSpec
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
+from draftlab.storage import local_copy
 
 FORMATS = ("vllm",)
 VLLM_FAMILIES = ("p-eagle",)  # families whose math vLLM implements
@@ -94,7 +95,7 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, target: Target | N
     `target` defaults to the drafter's own (loaded by the name in its config). Re-exporting
     to the same directory replaces it; the files appear together (written beside, then moved).
     """
-    drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
+    drafter_dir, out_dir = local_copy(drafter_dir), Path(out_dir)  # s3://...: its local mirror
     cfg_file = drafter_dir / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{drafter_dir} is not a drafter directory (no config.json)")

@@ -18,7 +18,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from draftlab.config import ConfigError
+from draftlab.config import ConfigError, PromptSourceConfig, TargetSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINTS = {"distill": "jobs/distill.py", "sweep": "sweeps/run.py", "pipeline": "jobs/pipeline.py",
@@ -96,6 +96,26 @@ def _git_exclude(root: Path, pattern: str) -> None:
     if pattern not in (exclude.read_text().splitlines() if exclude.is_file() else []):
         with exclude.open("a") as f:
             f.write(f"\n{pattern}\n")
+
+
+def check_hub_access(target: TargetSpec, source: PromptSourceConfig | None = None) -> None:
+    """Job driver validation, before any Ray work (`draftlab distill`, `sweep` and `pipeline`,
+    from the CLI or `jobs/*.py` / `sweeps/run.py` under `ray job submit`): a gated hub target or
+    dataset (their `gated` field) needs a Hugging Face token where the job runs. Raises one
+    ConfigError line otherwise. `draftlab submit` leaves this to the driver: the cluster may
+    hold a token (a Kubernetes secret) that the submitting machine does not."""
+    gated = [f"target.name {target.gated_repo()!r}"] if target.gated_repo() else []
+    if source is not None and source.gated_repo():
+        gated.append(f"data.source.path {source.gated_repo()!r}")
+    if not gated:
+        return
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise ConfigError(
+            f"{gated[0]} is a gated hub repo and no Hugging Face token is set: set HF_TOKEN to a token of an account "
+            f"that accepted its terms (on KubeRay: the secret draftlab-hf, see infra/README.md), or `gated: false`"
+        )
 
 
 def submit(kind: str, config: str, overrides: list[str], addr: str | None = None, pip: bool = False,

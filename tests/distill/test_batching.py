@@ -24,7 +24,7 @@ def test_hand_checked_example_k3():
     assert b.label[0].tolist()[5:] == [13, 14, 15, 14, 15]
     # loss only where the label is a response token (index >= 3) and a label exists
     assert b.loss_mask[0].tolist() == [False, True, True, True, False, True, True, True, True, True]
-    allowed = b.attn_mask[0, 0] == 0
+    allowed = b.attention_mask()[0, 0]
     # mask 2 of anchor 1 (node 9) sees real entries 0..1, its own mask 1 (node 6) and itself
     assert allowed[9].nonzero().flatten().tolist() == [0, 1, 6, 9]
     assert b.response_tokens == 3
@@ -44,7 +44,7 @@ def test_padding_rows_are_isolated_and_hidden_is_batched():
     torch.testing.assert_close(b.hidden[0, :5], h1.half().float())
     m0 = int(b.depth.shape[1])
     n0 = 4 + 2  # sample 0: 4 entries at depth 0, 2 at depth 1
-    pad = b.attn_mask[0, 0, n0:, :] == 0
+    pad = b.attention_mask()[0, 0, n0:, :]
     assert pad.sum(-1).tolist() == [1] * (m0 - n0)  # padding nodes attend only to themselves
     assert not b.loss_mask[0, n0:].any()
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftlab.decoding.ngram import graft
 from draftlab.decoding.tree import load_tree
-from draftlab.models import attention
+from draftlab.models import attention, fused_attention
 from draftlab.models.target import (
     Target,
     cpu_has_amx_bf16,
@@ -104,3 +104,162 @@ def test_single_rows_equal_batched_rows_bitwise():
         block = lin(x[:m])
         for i in range(m):
             assert torch.equal(block[i], lin(x[i : i + 1])[0]) and torch.equal(block[i], lin(x[i]))
+
+
+# --- Attention chosen per device: row-exact on CPU, fused on CUDA -------------------------
+
+
+def test_choose_picks_by_device_and_honours_overrides():
+    """CUDA cannot run here: `torch.device("cuda")` is only a label handed to `choose`
+    (nothing is allocated on it); the fused path itself is checked on CPU tensors below."""
+    assert attention.choose("auto", "cpu") == "row-exact"
+    assert attention.choose("auto", torch.device("cuda", 0)) == "fused"
+    assert attention.choose("fused", "cpu") == "fused"
+    assert attention.choose("row-exact", torch.device("cuda")) == "row-exact"
+    with pytest.raises(ValueError, match="attention 'flash' is not one of auto, row-exact, fused"):
+        attention.choose("flash", "cpu")
+
+
+def test_target_attention_setting_selects_the_implementation(tiny):
+    from pydantic import ValidationError
+
+    from draftlab.config import TargetSpec
+    from draftlab.models.target import load_target
+
+    assert tiny.model.config._attn_implementation == attention.NAME  # auto on CPU
+    fused = load_target(TargetSpec(name="tiny-llama", attention="fused"))
+    assert fused.model.config._attn_implementation == fused_attention.NAME
+    with pytest.raises(ValidationError, match="attention"):
+        TargetSpec(name="tiny-llama", attention="flash")
+
+
+def _fp32_target(tiny, mode: str) -> Target:
+    """A random GQA Llama (4 query heads on 2 KV heads of dim 64) in float32; the same
+    weights for every mode."""
+    cfg = LlamaConfig(
+        vocab_size=tiny.vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    assert attention.install(model, mode) == mode
+    return Target(f"gqa-fp32-{mode}", model, tiny.tokenizer, "random")
+
+
+@pytest.fixture(scope="module")
+def exact32(tiny):
+    return _fp32_target(tiny, "row-exact")
+
+
+@pytest.fixture(scope="module")
+def fused32(tiny):
+    return _fp32_target(tiny, "fused")
+
+
+def _tree_plan(tree, ctx: int) -> attention.RowPlan:
+    ancestors, counts = tree.ancestor_rows
+    return attention.RowPlan.tree(ctx, ancestors, counts)
+
+
+@pytest.mark.parametrize("grafted", [False, True], ids=["static", "grafted"])
+def test_fused_mask_is_the_whole_context_plus_ancestors_and_self(grafted):
+    tree, tokens = load_tree("small-6"), [4, 9, 33, 12, 6, 21, 14]
+    if grafted:
+        tree, tokens = graft(tree, tokens, [9, 6, 40, 41])
+    ctx, rows = 30, tree.num_nodes + 1
+    context = torch.ones(rows, ctx, dtype=torch.bool)
+    expected = torch.cat([context, tree.ancestor_mask], dim=1)  # (T, ctx + T)
+    plan = _tree_plan(tree, ctx)
+    assert torch.equal(plan.visible(ctx + rows), expected)
+    # 2 query heads per KV head
+    mask = fused_attention.block_mask(plan, ctx + rows, 2, torch.float32)
+    assert mask.shape == (2 * rows, ctx + rows)
+    for j in range(2):  # folded row j * T + t is row t's visibility, for either head of a KV head
+        assert torch.equal(mask[j * rows : (j + 1) * rows] == 0, expected)
+        assert torch.all(mask[j * rows : (j + 1) * rows][~expected] == float("-inf"))
+
+
+def test_fused_mask_of_a_chain_and_of_a_decoding_step():
+    ctx, rows = 30, 5
+    chain = attention.RowPlan.build([ctx + i + 1 for i in range(rows)])
+    causal = torch.ones(rows, ctx + rows, dtype=torch.bool).tril(ctx)  # row i sees keys 0..ctx+i
+    assert torch.equal(chain.visible(ctx + rows), causal)
+    step = attention.RowPlan.build([ctx + 1])  # a decoding step sees the whole cache: no mask
+    assert fused_attention.block_mask(step, ctx + 1, 2, torch.float32) is None
+    with pytest.raises(ValueError, match="row plan reaches key 34 but the cache has 33"):
+        chain.visible(ctx + 3)
+
+
+def test_fused_chain_block_matches_row_exact_and_decoding(exact32, fused32):
+    path = [7, 1, 2, 40, 5, 5, 8, 19, 3, 11, 6, 2, 9, 30]
+    ctx = len(PREFIX)
+    rows = [ctx + i + 1 for i in range(len(path))]
+    reference = _stepwise(exact32, path)  # row-exact decoding, one token per forward
+    positions = torch.arange(ctx, ctx + len(path))
+    for target in (exact32, fused32):
+        block, _ = target.forward(torch.tensor(path), positions, _prefilled(target), rows=rows)
+        torch.testing.assert_close(block, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_stepwise(fused32, path), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("grafted", [False, True], ids=["static", "grafted"])
+def test_fused_tree_rows_match_decoding_their_paths(exact32, fused32, grafted):
+    tree = load_tree("small-6")
+    tokens = [4, 9, 33, 12, 6, 21, 14][: tree.num_nodes + 1]
+    if grafted:
+        tree, tokens = graft(tree, tokens, [9, 6, 40, 41])
+    ctx = len(PREFIX)
+    ids, positions, plan = torch.tensor(tokens), ctx + tree.depths, _tree_plan(tree, ctx)
+    fused, _ = fused32.forward(ids, positions, _prefilled(fused32), rows=plan)
+    exact, _ = exact32.forward(ids, positions, _prefilled(exact32), rows=plan)
+    torch.testing.assert_close(fused, exact, rtol=1e-4, atol=1e-4)
+    for node, row in enumerate(tree.ancestor_mask):  # each row = decoding its root-to-node path
+        path = [tokens[i] for i in row.nonzero()[:, 0].tolist()]
+        torch.testing.assert_close(fused[node], _stepwise(exact32, path)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_verify_is_one_sdpa_call_per_layer_over_the_cache_in_place(fused32):
+    """No per-row key copies: every layer runs one SDPA call whose keys are the layer's KV
+    cache tensor itself (same storage), with the query heads folded into the rows."""
+    from torch.overrides import TorchFunctionMode
+
+    calls = []
+
+    class Spy(TorchFunctionMode):  # observes the real call, changes nothing
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                calls.append((args[0].shape, args[1].shape, args[1].untyped_storage().data_ptr()))
+            return func(*args, **(kwargs or {}))
+
+    tree, ctx = load_tree("small-6"), len(PREFIX)
+    rows, cache = tree.num_nodes + 1, _prefilled(fused32)
+    plan = _tree_plan(tree, ctx)
+    with Spy():
+        fused32.forward(torch.arange(rows) + 3, ctx + tree.depths, cache, rows=plan)
+    assert len(calls) == fused32.num_layers
+    for (q, k, ptr), layer in zip(calls, cache.layers, strict=True):
+        assert q == (1, 2, 2 * rows, 64) and k == (1, 2, ctx + rows, 64)
+        assert ptr == layer.keys.untyped_storage().data_ptr()
+
+
+def test_fused_forward_many_equals_each_requests_forward(fused32):
+    """Several requests' blocks in one forward (the server's batching) keep each request's
+    rows to its own keys under the fused mask."""
+    tree = load_tree("small-6")
+    rows, ctx = tree.num_nodes + 1, len(PREFIX)
+    blocks = [torch.arange(rows) + 3, torch.arange(rows) + 20]
+    positions = ctx + tree.depths
+    alone = [
+        fused32.forward(ids, positions, _prefilled(fused32), rows=_tree_plan(tree, ctx))[0]
+        for ids in blocks
+    ]
+    items = [(ids, positions, _prefilled(fused32), _tree_plan(tree, ctx)) for ids in blocks]
+    together = fused32.forward_many(items)
+    for (logits, _), ref in zip(together, alone, strict=True):
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)

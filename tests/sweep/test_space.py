@@ -76,6 +76,9 @@ def test_training_key_ignores_tree_bench_and_names(tmp_path):
     assert training_key(a) == training_key(b)  # same drafter: train once, evaluate many
     assert training_key(trial_config(base, {"drafter.k": 4})) != training_key(a)
     assert training_key(trial_config(base, {"drafter.k": 3, "train.lr": 5e-4})) != training_key(a)
+    # how verification attends and how batches are prefetched do not change the weights
+    same = trial_config(base, {"drafter.k": 3, "target.attention": "fused", "train.prefetch": 0})
+    assert training_key(same) == training_key(a)
 
 
 def test_max_concurrency_from_resources():

@@ -100,3 +100,59 @@ def test_vllm_objective_ranks_by_the_speedup_vllm_measures(tmp_path):
     out = _bench_trees(cfg.model_dump(mode="json"), ["chain-2"], "vllm")["chain-2"]
     assert out["objective"] == "vllm" and out["tree_depth"] == 2 and out["greedy_identical"] is True
     assert out["speedup_vs_ar"] > 0 and out["tau"] >= 1.0
+
+
+GPU_BASE = yaml.safe_load((ROOT / "jobs/configs/llama3-8b-parallel-k5-2x8gpu.yaml").read_text())  # device: cuda
+
+
+def test_bench_digest_of_a_cuda_trial_needs_no_gpu(tmp_path):
+    """The trial process reserves no GPU: a `device: cuda` trial's bench digest comes from the
+    config strings (this machine has no CUDA at all), and still changes with whatever changes
+    bench results, while a CPU trial keeps the digest its older evals files are named by."""
+    import hashlib
+    import platform
+
+    import torch
+
+    from draftlab.sweep.trial import bench_digest, bench_target
+
+    assert not torch.cuda.is_available()
+    ctx = SweepContext(sweep="s", base=GPU_BASE, trees=["chain"], trainings=str(tmp_path), data_path="unused",
+                       tracking_uri="sqlite:///unused.db", experiment="e", parent_run_id=None)
+    cfg = plan({"tree": "chain"}, ctx).cfg
+    digest = bench_digest(cfg)
+    assert bench_target(cfg).device == "cuda" and bench_target(cfg).dtype == "bfloat16"
+    assert bench_digest(cfg) == digest
+    changed = [
+        {"bench": cfg.bench.model_copy(update={"max_new_tokens": 64})},
+        {"bench": cfg.bench.model_copy(update={"prompts": "heldout"})},
+        {"bench": cfg.bench.model_copy(update={"limit": 3})},
+        {"target": cfg.target.model_copy(update={"dtype": "float16"})},
+        {"target": cfg.target.model_copy(update={"attention": "row-exact"})},
+        {"target": cfg.target.model_copy(update={"device": "auto"}), "scaling": cfg.scaling.model_copy(update={"use_gpu": False})},
+    ]
+    digests = {bench_digest(cfg.model_copy(update=u)) for u in changed} | {bench_digest(cfg, "vllm"), digest}
+    assert len(digests) == len(changed) + 2
+    cpu = cfg.model_copy(update=changed[-1])
+    old = {"prompts": None, "limit": None, "max_new_tokens": 256, "device": "cpu", "dtype": "torch.bfloat16",
+           "machine": platform.machine()}
+    assert bench_digest(cpu) == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def test_multi_gpu_trials_train_on_one_node(tmp_path):
+    """A trial of several GPU workers is built STRICT_PACK (one node, whatever the base
+    config's placement); CPU and single-GPU trials keep the configured placement."""
+    from draftlab.distill.trainer import build_trainer
+
+    def built(base: dict, params: dict) -> str:
+        ctx = SweepContext(sweep="s", base=base, trees=["chain"], trainings=str(tmp_path), data_path="unused",
+                           tracking_uri="sqlite:///unused.db", experiment="e", parent_run_id=None)
+        p = plan({**params, "tree": "chain"}, ctx)
+        return build_trainer(p.cfg, "unused", None, "sqlite:///unused.db").scaling_config.placement_strategy
+
+    assert GPU_BASE["scaling"]["placement_strategy"] == "SPREAD"
+    assert built(GPU_BASE, {"scaling.num_workers": 8}) == "STRICT_PACK"
+    assert built(GPU_BASE, {"scaling.num_workers": 1}) == "SPREAD"
+    cpu = json.loads(json.dumps(BASE))
+    cpu["scaling"] = {**cpu.get("scaling", {}), "num_workers": 2, "placement_strategy": "SPREAD"}
+    assert built(cpu, {}) == "SPREAD"

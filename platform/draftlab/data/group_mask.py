@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GroupLayout", "build_group_layout", "depth_keep_count"]
+__all__ = ["GroupLayout", "build_group_layout", "depth_keep_count", "group_attend"]
 
 
 @dataclass
@@ -39,17 +39,23 @@ class GroupLayout:
     depth: torch.Tensor  # (M,) long: d of each node
     position_ids: torch.Tensor  # (M,) long: a + d
     label_index: torch.Tensor  # (M,) long: a + d + 1, or -1 where a + d + 1 >= L
-    attend: torch.Tensor  # (M, M) bool: attend[i, j] iff node i may attend to node j
     seq_len: int = -1  # L, the number of real tokens (-1: unknown, no shape check)
 
     @property
     def num_nodes(self) -> int:
         return int(self.anchor.numel())
 
+    @property
+    def attend(self) -> torch.Tensor:
+        """(M, M) bool: attend[i, j] iff node i may attend to node j (built on each access:
+        training batches build theirs on the device instead, see `group_attend`)."""
+        return group_attend(self.anchor, self.depth)  # (M, M)
+
     def additive_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(1, 1, M, M) additive mask: 0 where ``attend``, ``finfo(dtype).min`` elsewhere."""
-        mask = torch.zeros(self.attend.shape, dtype=dtype, device=self.attend.device)  # (M, M)
-        mask = mask.masked_fill(~self.attend, torch.finfo(dtype).min)  # (M, M)
+        attend = self.attend  # (M, M)
+        mask = torch.zeros(attend.shape, dtype=dtype, device=attend.device)  # (M, M)
+        mask = mask.masked_fill(~attend, torch.finfo(dtype).min)  # (M, M)
         return mask[None, None]  # (1, 1, M, M)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
@@ -132,15 +138,29 @@ def build_group_layout(
         position_ids + 1 < seq_len, position_ids + 1, torch.full_like(position_ids, -1)
     )  # (M,)
 
-    a_q, d_q = anchor[:, None], depth[:, None]  # (M, 1) query node i
-    a_k, d_k = anchor[None, :], depth[None, :]  # (1, M) key node j
-    attend = ((d_k == 0) & (a_k <= a_q)) | ((a_k == a_q) & (d_k <= d_q))  # (M, M)
-
     return GroupLayout(
         anchor=anchor,
         depth=depth,
         position_ids=position_ids,
         label_index=label_index,
-        attend=attend,
         seq_len=seq_len,
     )
+
+
+def group_attend(anchor: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """The group mask from the nodes' (anchor, depth): (..., M) -> (..., M, M) bool.
+
+    ``attend[..., i, j]`` iff ``(d_j == 0 and a_j <= a_i) or (a_j == a_i and d_j <= d_i)``.
+    With ``num_nodes`` (...,), nodes ``>= num_nodes`` are padding: they see only themselves
+    (no empty softmax rows) and no real node sees them. Built where ``anchor`` lives: a
+    training batch ships (B, M) vectors and gets its (B, M, M) mask on the device.
+    """
+    a_q, d_q = anchor[..., :, None], depth[..., :, None]  # (..., M, 1) query node i
+    a_k, d_k = anchor[..., None, :], depth[..., None, :]  # (..., 1, M) key node j
+    attend = ((d_k == 0) & (a_k <= a_q)) | ((a_k == a_q) & (d_k <= d_q))  # (..., M, M)
+    if num_nodes is None:
+        return attend
+    idx = torch.arange(anchor.shape[-1], device=anchor.device)  # (M,)
+    real = idx < num_nodes[..., None]  # (..., M)
+    attend = attend & real[..., :, None] & real[..., None, :]  # (..., M, M) real nodes only
+    return attend | (~real[..., :, None] & torch.eye(idx.numel(), dtype=torch.bool, device=idx.device))  # pad: self

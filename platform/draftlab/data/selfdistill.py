@@ -279,13 +279,9 @@ def generation_spec(target_spec: TargetSpec, use_gpu: bool) -> TargetSpec:
     CUDA_VISIBLE_DEVICES alone for actors that reserved no GPU, so "auto" would grab an
     unreserved GPU on a GPU node.
     """
-    from draftlab.models.target import resolve_dtype
+    from draftlab.models.target import placed_spec
 
-    if target_spec.device == "cuda" and not use_gpu:
-        raise ValueError("target.device is 'cuda' but data.use_gpu is False: generation actors get no GPU")
-    device = target_spec.device if target_spec.device != "auto" else ("cuda" if use_gpu else "cpu")
-    dtype = str(resolve_dtype(target_spec.dtype, torch.device(device))).removeprefix("torch.")
-    return target_spec.model_copy(update={"device": device, "dtype": dtype})
+    return placed_spec(target_spec, use_gpu, "data.use_gpu", "generation actors")
 
 
 def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> tuple[list[str], int]:
@@ -485,13 +481,13 @@ def load_or_generate(
     float16 (`target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
     duplicate it on disk).
     """
-    from draftlab.models.target import load_target
+    from draftlab.models.target import describe_target, load_target
 
     spec = generation_spec(target_spec, data.use_gpu)
-    # The driver's copy (cache key, prompt filters, magpie) has the actors' dtype, hence
-    # their weights fingerprint, even on a CPU-only head node.
-    on_driver = spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"})
-    target = load_target(on_driver)
+    # The driver needs the fingerprint (cache key) and the tokenizer (prompt filters): both
+    # come without the weights, read from the weight files' metadata. Only magpie prompts,
+    # which the target writes itself, load it here (on the CPU of a CPU-only head node).
+    target = describe_target(spec)
     fingerprint = target.fingerprint
     root = cache_path(data, fingerprint)
     final = root / "dataset"
@@ -500,6 +496,9 @@ def load_or_generate(
         if (final / "dataset_dict.json").is_file():
             logger.info("reusing cached self-distillation data at %s", final)
         else:
+            if data.source.kind == "magpie" and not prompts_cache_file(data, fingerprint).is_file():
+                on_driver = spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"})
+                target = load_target(on_driver)
             prompts, shard_size = _prompts_and_plan(root / "work", data, target, progress)
             del target  # the actors load their own copies
             if torch.cuda.is_available():

@@ -122,7 +122,8 @@ class _Collector:
 
 def _describe(cfg: PromptSourceConfig) -> str:
     subset = f", subset {cfg.subset!r}" if cfg.subset else ""
-    return f"prompt source {cfg.path!r} (split {cfg.split!r}{subset})"
+    files = f", data_files {cfg.data_files!r}" if cfg.data_files is not None else ""
+    return f"prompt source {cfg.path!r} (split {cfg.split!r}{subset}{files})"
 
 
 def _open_dataset(cfg: PromptSourceConfig):
@@ -139,6 +140,8 @@ def _open_dataset(cfg: PromptSourceConfig):
             f"{_describe(cfg)}: unsupported file type {path.suffix!r}; "
             f"use one of {sorted(_BUILDERS)} or a directory"
         )
+    if path.is_file() and cfg.data_files is not None:
+        raise ValueError(f"{_describe(cfg)}: source.data_files picks files of a hub repo or directory, not of a file")
     try:
         if builder is not None:
             # The file *is* the split named in the config, so slices like `train[:100]` work.
@@ -147,7 +150,8 @@ def _open_dataset(cfg: PromptSourceConfig):
         if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
             loaded = datasets.load_from_disk(str(path))
             return loaded[cfg.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return datasets.load_dataset(str(path) if path.is_dir() else cfg.path, cfg.subset, split=cfg.split)
+        return datasets.load_dataset(str(path) if path.is_dir() else cfg.path, cfg.subset, split=cfg.split,
+                                     data_files=cfg.data_files)
     except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError...)
         raise ValueError(f"{_describe(cfg)}: could not load it: {type(e).__name__}: {e}") from e
 
@@ -263,7 +267,8 @@ def load_prompts_from_source(
     """Up to `cfg.num_prompts` filtered, deduplicated prompt texts (in source order).
 
     `target` is a loaded `Target`: its tokenizer measures prompt length, and for
-    `kind="magpie"` its model writes the prompts (`magpie_batch_size` samples per call, at
+    `kind="magpie"` its model writes the prompts (`kind="dataset"` needs only the tokenizer:
+    a `TargetInfo` from `describe_target` will do) (`magpie_batch_size` samples per call, at
     most `magpie_max_rounds` calls; default: 4x what a zero-rejection run would need + 2).
     Fewer prompts than asked is a warning, none at all a `ValueError`.
     """

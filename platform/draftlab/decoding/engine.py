@@ -147,8 +147,9 @@ def autoregressive_generate(target: Target, prompt: list[int], params: SamplingP
 
 def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
     """Keys each verified row of `tree` sees after `ctx` cached tokens (the context, then its
-    ancestors and itself), for row-exact attention (see models/attention.py). A chain's rows
-    are causal prefixes; `ancestors`, `counts` = `tree.ancestor_rows` on the target's device."""
+    ancestors and itself), for the target's verify attention (row-exact on CPU, fused on
+    CUDA: `attention.choose`). A chain's rows are causal prefixes; `ancestors`, `counts` =
+    `tree.ancestor_rows` on the target's device."""
     if tree.is_chain:
         return [ctx + i + 1 for i in range(tree.num_nodes + 1)]
     return RowPlan.tree(ctx, ancestors, counts)
@@ -280,7 +281,7 @@ class Session:
         dec, params = self.dec, self.params
         tree, dev = dec.tree, dec.target.device
         t0 = time.perf_counter()
-        if not speculate:  # a plain decode step: the root alone, through the same row-exact attention
+        if not speculate:  # a plain decode step: the root alone, through the same verify attention
             return Block(torch.tensor([self.root], device=dev), torch.tensor([self.ctx], device=dev),
                          [self.ctx + 1], None, None, None, 0.0)
         sample_drafts = tree.is_chain and not params.greedy

@@ -5,6 +5,9 @@ e_i = (x_{i+1}, h_i) at position i+1 (EAGLE alignment, as at inference). The gro
 over the L-1 entries adds, for anchor a and depth d >= 1, mask d after entry a. Node (a, d)
 predicts x_{a+d+2}; its teacher is the target's distribution at position a+d+1, i.e.
 softmax(head(h_{a+d+1})). Only nodes predicting response tokens carry loss.
+
+A batch carries no (B, M, M) mask: the group mask follows from each node's (anchor, depth)
+(`group_attend`), so it is built on the device from (B, M) vectors (`Batch.attention_mask`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftlab.data.group_mask import build_group_layout
+from draftlab.data.group_mask import build_group_layout, group_attend
 
 
 @dataclass
@@ -28,12 +31,25 @@ class Batch:
     teacher_idx: torch.Tensor  # (B, M) index of the teacher state h_{a+d+1}
     label: torch.Tensor  # (B, M) token x_{a+d+2}
     loss_mask: torch.Tensor  # (B, M) bool: a real node predicting a response token
-    attn_mask: torch.Tensor  # (B, 1, M, M) additive group mask
+    num_nodes: torch.Tensor  # (B,) nodes of each row; the rest of its M is padding
     hidden: torch.Tensor | None = None  # (B, L, H) cached target states, if stored
 
-    def to(self, device: torch.device) -> Batch:
+    def _map(self, fn) -> Batch:
         kw = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        return Batch(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v) for f, v in kw.items()})
+        return Batch(**{f: (fn(v) if isinstance(v, torch.Tensor) else v) for f, v in kw.items()})
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        """On `device` (`non_blocking` overlaps the copy with compute when pinned)."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copy (what a DataLoader with `pin_memory=True` calls)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def attention_mask(self) -> torch.Tensor:
+        """(B, 1, M, M) bool group mask (True = may attend), built where the batch lives;
+        padding nodes see only themselves."""
+        return group_attend(self.node_anchor, self.depth, self.num_nodes)[:, None]  # (B, 1, M, M)
 
     @property
     def response_tokens(self) -> int:
@@ -49,7 +65,8 @@ def collate(
     dtype: torch.dtype = torch.float32,
     loss_on_prompt: bool = False,
 ) -> Batch:
-    """Pack `samples` (dicts with input_ids, prompt_len and optionally hidden (L, H)).
+    """Pack `samples` (dicts with input_ids, prompt_len and optionally hidden (L, H), read
+    as `dtype`).
 
     Nodes whose label is a response token carry loss; with `loss_on_prompt`, every node
     with a label does (after the first token, which nothing predicts).
@@ -63,13 +80,10 @@ def collate(
         layouts.append(build_group_layout(ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator))
     B, L = len(samples), max(s.numel() for s in seqs)
     M = max(lay.num_nodes for lay in layouts)
-    neg = torch.finfo(dtype).min
     input_ids = torch.zeros(B, L, dtype=torch.long)
     fields = {n: torch.zeros(B, M, dtype=torch.long) for n in ("node_token", "node_anchor", "depth", "position_ids", "teacher_idx", "label")}
     mask_idx = torch.full((B, M), -1, dtype=torch.long)
     loss_mask = torch.zeros(B, M, dtype=torch.bool)
-    attn = torch.full((B, 1, M, M), neg, dtype=dtype)
-    attn[:, 0].diagonal(dim1=-2, dim2=-1).zero_()  # padding nodes see themselves (no NaN rows)
     for b, (s, ids, lay) in enumerate(zip(samples, seqs, layouts, strict=True)):
         n, m = ids.numel(), lay.num_nodes
         input_ids[b, :n] = ids
@@ -85,7 +99,6 @@ def collate(
         mask_idx[b, :m] = torch.where(lay.depth > 0, lay.depth - 1, -1)
         prompt_len = 1 if loss_on_prompt else int(s["prompt_len"])
         loss_mask[b, :m] = has_label & (teacher + 1 >= prompt_len)  # label x_{teacher+1} is past the prompt
-        attn[b, 0, :m, :m] = lay.additive_mask(dtype)[0, 0]
     hidden = None
     if samples and samples[0].get("hidden") is not None:
         H = torch.as_tensor(samples[0]["hidden"]).shape[-1]
@@ -98,7 +111,7 @@ def collate(
         lengths=torch.tensor([s.numel() for s in seqs]),
         mask_idx=mask_idx,
         loss_mask=loss_mask,
-        attn_mask=attn,
+        num_nodes=torch.tensor([lay.num_nodes for lay in layouts]),
         hidden=hidden,
         **fields,
     )

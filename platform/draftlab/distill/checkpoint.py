@@ -3,6 +3,8 @@
 Layout of a checkpoint directory:
     drafter/config.json, drafter/model.safetensors   the drafter (loadable as is)
     optimizer.safetensors                             optimizer tensors, keys "<param>/<name>"
+                                                      (<param>: the drafter's parameter name;
+                                                      older checkpoints: its index)
     state.json                                        step, data position, optimizer scalars,
                                                       undelivered MLflow metrics
     MANIFEST.json                                     size and sha256 of every file above
@@ -13,6 +15,10 @@ point leaves no `<name>` (only a partial sibling, never loaded) or the complete 
 Loading verifies the manifest first, so a checkpoint damaged later (a partial upload, a
 truncated copy) is refused with a `CheckpointError` naming the file, never loaded;
 `restore_checkpoint` then falls back to the run's newest older checkpoint that verifies.
+
+Under FSDP the files hold full (gathered) tensors, as for DDP: every rank gathers them
+(`distill.sharding`) and rank 0 passes them to `save_checkpoint`; on load each rank keeps
+its shard. A checkpoint saved under either strategy resumes under the other.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from draftlab.distill.sharding import load_optimizer_state, optimizer_state
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target
 
@@ -61,16 +68,36 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(path: str | Path, drafter: DrafterNet, optimizer: torch.optim.Optimizer, state: dict) -> Path:
-    """Write a checkpoint to `path` (absent or an empty directory) atomically; returns `path`."""
+def _save_drafter(path: Path, drafter: DrafterNet, weights: dict[str, torch.Tensor] | None) -> None:
+    """`drafter.save(path)`, or its config with `weights` (the gathered full state under FSDP)."""
+    if weights is None:
+        drafter.save(path)
+        return
+    path.mkdir(parents=True)
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(drafter.cfg.model_dump(), indent=2) + "\n")
+
+
+def save_checkpoint(
+    path: str | Path,
+    drafter: DrafterNet,
+    optimizer: torch.optim.Optimizer | dict,
+    state: dict,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write a checkpoint to `path` (absent or an empty directory) atomically; returns `path`.
+
+    `optimizer`: the optimizer, or its gathered state (`sharding.optimizer_state`);
+    `weights`: the drafter's gathered state (`sharding.full_weights`) when it is sharded."""
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"checkpoint {path} already exists; refusing to overwrite it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        drafter.save(tmp / "drafter")
-        opt = optimizer.state_dict()
+        _save_drafter(tmp / "drafter", drafter, weights)
+        opt = optimizer if isinstance(optimizer, dict) else optimizer_state(drafter, optimizer)
         tensors, scalars = {}, {}
         for pid, pstate in opt["state"].items():
             for key, val in pstate.items():
@@ -123,20 +150,29 @@ def verify_checkpoint(path: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
-    """Verify, then load (drafter, optimizer built by `optimizer_factory(drafter)`, trainer state)."""
+    """Verify, then load (drafter, optimizer built by `optimizer_factory(drafter)`, trainer state).
+
+    The factory may wrap the drafter first (DDP, or FSDP in place): the saved optimizer state
+    is loaded by parameter name into whatever parameters the optimizer holds."""
     path = Path(path)
     verify_checkpoint(path)
     try:
         drafter = load_drafter(path / "drafter", target).float().train()  # float32 master weights
+        trainable = [n for n, p in drafter.named_parameters() if p.requires_grad]  # optimizer order
         optimizer = optimizer_factory(drafter)
         doc = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "optimizer.safetensors"), device=str(target.device))
-        per_param: dict[int, dict] = {}
+
+        def name(pid: str | int) -> str:  # older checkpoints: the parameter's index in the optimizer
+            return trainable[int(pid)] if str(pid).isdigit() else pid
+
+        per_param: dict[str, dict] = {}
         for key, val in list(tensors.items()) + list(doc["optimizer_scalars"].items()):
-            pid, name = key.split("/", 1)
-            per_param.setdefault(int(pid), {})[name] = val
-        optimizer.load_state_dict({"state": per_param, "param_groups": doc["param_groups"]})
-    except (SafetensorError, ValueError, KeyError) as e:  # verified but unusable: never train on it
+            pid, item = key.split("/", 1)
+            per_param.setdefault(name(pid), {})[item] = val
+        groups = [g | {"params": [name(p) for p in g["params"]]} for g in doc["param_groups"]]
+        load_optimizer_state(drafter, optimizer, {"state": per_param, "param_groups": groups})
+    except (SafetensorError, ValueError, KeyError, IndexError, RuntimeError) as e:  # verified but unusable
         raise CheckpointError(f"checkpoint {path} is complete but cannot be loaded: {e}") from e
     return drafter, optimizer, doc["trainer"]
 

@@ -26,6 +26,15 @@ def gather_states(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(hidden, 1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
+def decoder_mask(attend: torch.Tensor, attn_implementation: str) -> torch.Tensor:
+    """(B, 1, M, M) bool group mask in the form the decoder's attention takes: SDPA reads the
+    bool mask as is (1 byte a pair); other implementations add a float32 mask (0 / min)."""
+    if attn_implementation == "sdpa":
+        return attend
+    neg = torch.finfo(torch.float32).min
+    return torch.zeros(attend.shape, device=attend.device).masked_fill_(~attend, neg)  # (B, 1, M, M)
+
+
 class DistillModule(nn.Module):
     def __init__(self, drafter: DrafterNet):
         super().__init__()
@@ -35,7 +44,8 @@ class DistillModule(nn.Module):
         """hidden: (B, L, F) target features -> (B, M, H) drafter outputs for every node."""
         anchor_h = gather_states(hidden, batch.node_anchor)  # (B, M, F)
         x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, D)
-        return self.drafter(x, batch.position_ids, attention_mask=batch.attn_mask)  # (B, M, H)
+        mask = decoder_mask(batch.attention_mask(), self.drafter.decoder.config._attn_implementation)  # (B, 1, M, M)
+        return self.drafter(x, batch.position_ids, attention_mask=mask)  # (B, M, H)
 
 
 @dataclass
@@ -114,15 +124,18 @@ def node_losses(
 
 
 def loss_and_backward(
-    module: nn.Module,  # DistillModule, possibly DDP-wrapped
+    module: nn.Module,  # DistillModule, possibly DDP- or FSDP-wrapped
     drafter: DrafterNet,
     batch: Batch,
     hidden: torch.Tensor,  # (B, L, F) target features, the last hidden state last
     cfg: TrainConfig,
     k: int,
     backward: bool = True,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Stats:
-    """Forward, chunked loss and (optionally) one backward; returns per-depth statistics."""
+    """Forward, chunked loss and (optionally) one backward; returns per-depth statistics.
+
+    `scaler` (fp16): the backward carries the scaled loss's gradients (unscale before clipping)."""
     out = module(batch, hidden)  # (B, M, H)
     sel = batch.loss_mask  # (B, M)
     n_total = max(int(sel.sum()), 1)
@@ -142,7 +155,7 @@ def loss_and_backward(
             loss = loss + cfg.feature_weight * torch.where(d == 0, feat, torch.zeros_like(feat))
         total = loss.sum() / n_total
         if backward:
-            (g,) = torch.autograd.grad(total, o)
+            (g,) = torch.autograd.grad(total if scaler is None else scaler.scale(total), o)
             grads.append(g)
         stats.loss += float(total.detach())
         for j in range(k):

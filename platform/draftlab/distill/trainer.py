@@ -4,12 +4,15 @@ the CLI, `jobs/distill.py` and (later) Tune trials.
     draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
 
 Same `name` and `storage_path` = resume from the latest checkpoint (Ray Train does it).
+`storage_path` (and `output_dir`) may be a URI such as s3://: the checkpoints go there through
+Ray Train, the drafter directory through `draftlab.storage`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from draftlab.config import DistillConfig
 from draftlab.distill.worker import train_fn_per_worker
+from draftlab.storage import is_uri, join, publish
 from draftlab.tracking import (
     Tracker,
     TrackingUnavailable,
@@ -34,18 +38,37 @@ def storage_uri(path: str) -> str:
 
 
 def output_dir(cfg: DistillConfig) -> str:
+    """The drafter directory: a local absolute path or a URI."""
     if cfg.output_dir:
         return storage_uri(cfg.output_dir)
-    return str(Path(storage_uri(cfg.storage_path)) / cfg.name / "drafter")
+    return join(storage_uri(cfg.storage_path), cfg.name, "drafter")
+
+
+def train_and_publish(config: dict) -> dict:
+    """`train_fn_per_worker`; with a URI `output_dir`, the worker writes the drafter directory
+    (weights, tree.json, tree-search.json, training.json) into a local staging directory
+    and rank 0 publishes it to the URI once it is complete."""
+    dest = config["output_dir"]
+    if not is_uri(dest):
+        return train_fn_per_worker(config)
+    with tempfile.TemporaryDirectory(prefix="draftlab-drafter-") as staging:
+        summary = train_fn_per_worker({**config, "output_dir": staging})
+        if ray.train.get_context().get_world_rank() == 0:
+            publish(staging, dest)
+    return summary
 
 
 def build_trainer(
-    cfg: DistillConfig, data_path: str, mlflow_run_id: str | None, tracking_uri: str | None, callbacks: list | None = None
+    cfg: DistillConfig,
+    data_path: str,
+    mlflow_run_id: str | None,
+    tracking_uri: str | None,
+    callbacks: list | None = None,
 ) -> TorchTrainer:
     """`callbacks`: Ray Train `UserCallback`s (a Tune trial passes `TuneReportCallback`)."""
     sc = cfg.scaling
     return TorchTrainer(
-        train_fn_per_worker,
+        train_and_publish,
         train_loop_config={
             "cfg": cfg.model_dump(),
             "data_path": data_path,
@@ -86,7 +109,9 @@ def registered_name(cfg: DistillConfig) -> str:
 def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
     """Generate or reuse the data, train with Ray Train, log to MLflow, register the drafter."""
     from draftlab.data.selfdistill import load_or_generate
+    from draftlab.submit import check_hub_access
 
+    check_hub_access(cfg.target, cfg.data.source)
     ensure_ray()
     t0 = time.perf_counter()
     data = load_or_generate(cfg.data, cfg.target, progress=progress)
@@ -96,35 +121,68 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
 
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     limit = cfg.tracking.max_outage_s
-    tracker = Tracker(tracking_uri=tracking_uri, experiment=cfg.tracking.experiment, run_id=None, enabled=True,
-                      max_buffer_seconds=limit, max_outage_s=limit)
+    tracker = Tracker(
+        tracking_uri=tracking_uri,
+        experiment=cfg.tracking.experiment,
+        run_id=None,
+        enabled=True,
+        max_buffer_seconds=limit,
+        max_outage_s=limit,
+    )
     run_id = tracker.start_or_resume(
-        cfg.name, tags={"draftlab.kind": "distill", "draftlab.target": cfg.target.name, "draftlab.family": cfg.drafter.family,
-                        **parent_tags(cfg.tracking.parent_run_id)}
+        cfg.name,
+        tags={
+            "draftlab.kind": "distill",
+            "draftlab.target": cfg.target.name,
+            "draftlab.family": cfg.drafter.family,
+            **parent_tags(cfg.tracking.parent_run_id),
+        },
     )
     tracker.log_params(cfg.model_dump())
-    tracker.log_params({"data.cache_path": str(data_path), "data.train_samples": len(data["train"]),
-                        "data.eval_samples": len(data["eval"])})
+    tracker.log_params(
+        {
+            "data.cache_path": str(data_path),
+            "data.train_samples": len(data["train"]),
+            "data.eval_samples": len(data["eval"]),
+        }
+    )
     try:
         result = build_trainer(cfg, str(data_path), run_id, tracking_uri).fit()
     except Exception as e:
         tracker.end("FAILED")
         # Ray's error carries the workers' tracebacks (cut to a snippet); an MLflow outage past
         # `tracking.max_outage_s` is worth its own plain message.
-        lost = [f for f in getattr(e, "worker_failures", {}).values() if isinstance(f, TrackingUnavailable)]
+        lost = [
+            f
+            for f in getattr(e, "worker_failures", {}).values()
+            if isinstance(f, TrackingUnavailable)
+        ]
         if lost:
             raise TrackingUnavailable(f"distillation {cfg.name!r} stopped: {lost[0]}") from e
         raise
     summary = dict(result.return_value or {})
-    summary |= {"data_seconds": data_seconds, "data_path": str(data_path), "mlflow_run_id": run_id,
-                "drafter_dir": output_dir(cfg), "checkpoint": result.checkpoint.path if result.checkpoint else None}
+    summary |= {
+        "data_seconds": data_seconds,
+        "data_path": str(data_path),
+        "mlflow_run_id": run_id,
+        "drafter_dir": output_dir(cfg),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    }
     tracker.log_metrics_now({"data_seconds": data_seconds}, summary.get("steps", 0))
     if cfg.tracking.register_model:
-        tags = {"k": cfg.drafter.k, "depth": cfg.drafter.depth, "family": cfg.drafter.family,
-                "target": cfg.target.name, "tau": summary.get("tau"), "speedup_vs_ar": summary.get("speedup_vs_ar")}
+        tags = {
+            "k": cfg.drafter.k,
+            "depth": cfg.drafter.depth,
+            "family": cfg.drafter.family,
+            "target": cfg.target.name,
+            "tau": summary.get("tau"),
+            "speedup_vs_ar": summary.get("speedup_vs_ar"),
+        }
         name = registered_name(cfg)
         summary["registered_model"] = name
-        summary["model_version"] = tracker.register_model("drafter", name, {k: str(v) for k, v in tags.items()})
+        summary["model_version"] = tracker.register_model(
+            "drafter", name, {k: str(v) for k, v in tags.items()}
+        )
     tracker.end("FINISHED")
     return summary
 

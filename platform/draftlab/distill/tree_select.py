@@ -8,7 +8,8 @@ depth, turn tau into a predicted speedup over a decoding step:
     speedup(tree) = tau(tree) * t_decode / (t_verify(tree) + t_draft(depth(tree)))
 
 The best-scoring tree is saved next to the drafter as `tree.json`; the whole table (rates,
-costs, candidates) as `tree-search.json`.
+costs, candidates) as `tree-search.json`. A drafter directory may be a URI (s3://...): it is
+read through its local mirror (`draftlab.storage.local_copy`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from draftlab.distill.ranks import rank_acceptance
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
 from draftlab.profiling import draft_ms, verify_ms
+from draftlab.storage import is_uri, local_copy, publish
 
 
 def select_tree(
@@ -50,17 +52,33 @@ def select_tree(
         trees.setdefault(tree.paths, tree)  # budgets past the useful paths give the same tree
     candidates = list(trees.values())
     decode, *verify = verify_ms(target, [None, *candidates], context, repeats)
-    drafting = {d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})}
+    drafting = {
+        d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})
+    }
     table = []
     for tree, v in zip(candidates, verify, strict=True):
         tau = 1.0 + expected_accepted(tree, acc)
-        table.append({
-            "tree": tree.name, "nodes": tree.num_nodes, "depth": tree.depth, "paths": [list(p) for p in tree.paths],
-            "expected_tau": tau, "verify_ms": v, "draft_ms": drafting[tree.depth],
-            "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
-        })
+        table.append(
+            {
+                "tree": tree.name,
+                "nodes": tree.num_nodes,
+                "depth": tree.depth,
+                "paths": [list(p) for p in tree.paths],
+                "expected_tau": tau,
+                "verify_ms": v,
+                "draft_ms": drafting[tree.depth],
+                "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
+            }
+        )
     best = max(range(len(table)), key=lambda i: table[i]["predicted_speedup"])
-    report = {"acceptance": acc, "extrapolated_depths": extrapolated, "context": context, "decode_ms": decode, "candidates": table, "chosen": table[best]["tree"]}
+    report = {
+        "acceptance": acc,
+        "extrapolated_depths": extrapolated,
+        "context": context,
+        "decode_ms": decode,
+        "candidates": table,
+        "chosen": table[best]["tree"],
+    }
     return candidates[best], report
 
 
@@ -74,20 +92,28 @@ def acceptance_to_depth(
     return acc + [list(acc[-1])] * extrapolated, extrapolated
 
 
-def save_acceptance(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+def save_acceptance(
+    cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path
+) -> Path:
     """Only the measurement half of the search: `tree-search.json` with the held-out rank
     acceptance (what `searched-<n>` trees are built from), no timing and no `tree.json`.
     A sweep measures its trees' speed instead of predicting it."""
     from draftlab.distill.worker import group_count
 
     rows = [evalset[i] for i in range(len(evalset))]
-    acc, extrapolated = acceptance_to_depth(drafter, target, rows, group_count(cfg), cfg.bench.search_ranks, cfg.drafter.k)
+    acc, extrapolated = acceptance_to_depth(
+        drafter, target, rows, group_count(cfg), cfg.bench.search_ranks, cfg.drafter.k
+    )
     path = Path(out_dir) / "tree-search.json"
-    path.write_text(json.dumps({"acceptance": acc, "extrapolated_depths": extrapolated}, indent=2) + "\n")
+    path.write_text(
+        json.dumps({"acceptance": acc, "extrapolated_depths": extrapolated}, indent=2) + "\n"
+    )
     return path
 
 
-def choose_tree(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+def choose_tree(
+    cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path
+) -> Path:
     """The tree of `cfg.bench.tree` for this drafter, saved into `out_dir` as `tree.json`."""
     spec, ngram = split_ngram(cfg.bench.tree)
     if spec == "searched":
@@ -104,11 +130,20 @@ def _search(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset) ->
     b = cfg.bench
     rows = [evalset[i] for i in range(len(evalset))]
     return select_tree(
-        drafter, target, rows, group_count(cfg), b.search_budgets, b.search_ranks, b.search_context, depth=cfg.drafter.k
+        drafter,
+        target,
+        rows,
+        group_count(cfg),
+        b.search_budgets,
+        b.search_ranks,
+        b.search_context,
+        depth=cfg.drafter.k,
     )
 
 
-def search_and_save(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path) -> Path:
+def search_and_save(
+    cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path
+) -> Path:
     """`_search`, saving `tree.json` and `tree-search.json` into `out_dir`; returns the
     `tree.json` path."""
     return save_tree(*_search(cfg, drafter, target, evalset), out_dir)
@@ -121,16 +156,20 @@ def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> d
     from draftlab.distill.trainer import output_dir
 
     drafter_dir = drafter_dir or output_dir(cfg)
+    local = local_copy(drafter_dir)
     target = load_target(cfg.target)
     evalset = load_or_generate(cfg.data, cfg.target, progress=False)["eval"]
-    path = search_and_save(cfg, load_drafter(drafter_dir, target), target, evalset, drafter_dir)
+    path = search_and_save(cfg, load_drafter(local, target), target, evalset, local)
+    if is_uri(drafter_dir):  # the mirror holds the new files: store them beside the drafter
+        publish(local, drafter_dir, ["tree.json", "tree-search.json"])
     return json.loads((path.parent / "tree-search.json").read_text())
 
 
 def searched_tree_file(drafter_dir: str | Path, budget: int) -> Path:
     """`tree-searched-<n>.json` next to the drafter: the best `budget`-node tree under the
-    acceptance rates its `tree-search.json` recorded (written on first use)."""
-    drafter_dir = Path(drafter_dir)
+    acceptance rates its `tree-search.json` recorded (written on first use; for a URI drafter,
+    into its local mirror)."""
+    drafter_dir = local_copy(drafter_dir)
     report_file = drafter_dir / "tree-search.json"
     if not report_file.is_file():
         raise FileNotFoundError(
@@ -159,7 +198,7 @@ def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int) -> Tr
     file, or None = the drafter directory's `tree.json` when it has one, else chain-k; any of
     them followed by `+ngram` grafts prompt lookups each round."""
     if spec is None:
-        saved = Path(drafter_dir) / "tree.json" if drafter_dir else None
+        saved = local_copy(drafter_dir) / "tree.json" if drafter_dir else None
         spec = str(saved) if saved is not None and saved.is_file() else "chain"
     spec, ngram = split_ngram(spec)
     if ngram:
@@ -169,7 +208,9 @@ def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int) -> Tr
     budget = searched_budget(spec)
     if budget:
         if drafter_dir is None:
-            raise ValueError(f"tree {spec!r} needs a saved drafter directory (its tree-search.json)")
+            raise ValueError(
+                f"tree {spec!r} needs a saved drafter directory (its tree-search.json)"
+            )
         found = load_tree(str(searched_tree_file(drafter_dir, budget)), k)
         return Tree.from_paths([list(p) for p in found.paths], spec)
     return load_tree(spec).truncated(k)

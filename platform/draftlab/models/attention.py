@@ -21,19 +21,26 @@ call and agree bit for bit. It is one SDPA call per layer for the whole
 block, or two when the leading rows see causal prefixes of the cache (a chain, a grafted
 branch: `RowPlan.prefix`) - those read the cache in place, only the others are gathered.
 Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
+
+Row-exact is a CPU (oneDNN) measure. On CUDA the same `RowPlan` goes through one fused kernel
+over the cache in place (`fused_attention.py`); `choose` picks per device (`auto`), or a
+target's `attention` setting forces either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from draftlab.models import fused_attention
 
 NAME = "draftlab"
 BLOCK = 16  # key padding granule: a multiple of the CPU flash kernel's vector block
@@ -57,6 +64,7 @@ class RowPlan:
     index: torch.Tensor | None  # (T, Lp) cache indices of row i's keys; None = all rows are prefixes
     prefix: int  # leading rows that see causal prefixes (index[i] = arange)
     prefix_keys: int  # Lp of those rows: a multiple of BLOCK
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-forward derived masks
 
     @property
     def num_rows(self) -> int:
@@ -101,6 +109,21 @@ class RowPlan:
         prefix = int((counts == torch.arange(1, len(counts) + 1, device=counts.device)).sum())
         return cls(visible[:, None, None, :], index, prefix, _padded(ctx + prefix))
 
+    def visible(self, num_keys: int) -> torch.Tensor:
+        """(T, S) bool over the first `num_keys` cache keys: key j is visible to row i. The
+        dense form the fused path masks with (the context, then ancestors and itself)."""
+        seen = self.mask[:, 0, 0]  # (T, Lp)
+        index = self.index
+        if index is None:  # prefixes: row i's keys are 0..Lp-1
+            index = torch.arange(self.num_keys, device=seen.device).expand_as(seen)  # (T, Lp)
+        last = int(torch.where(seen, index, -1).max())
+        if last >= num_keys:
+            raise ValueError(f"row plan reaches key {last} but the cache has {num_keys}")
+        # hidden slots go to an extra column, dropped after the scatter
+        spill = torch.where(seen, index, num_keys)  # (T, Lp)
+        dense = torch.zeros(self.num_rows, num_keys + 1, dtype=torch.bool, device=seen.device)
+        return dense.scatter_(1, spill, True)[:, :num_keys]
+
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
@@ -121,18 +144,9 @@ def row_exact_attention(
     query: torch.Tensor,  # (1, heads, T, d)
     key: torch.Tensor,  # (1, kv_heads, S, d), the cache included
     value: torch.Tensor,  # (1, kv_heads, S, d)
-    attention_mask: torch.Tensor | None,
-    draftlab_rows: RowPlan | None = None,
-    **kwargs,
+    plan: RowPlan,
 ) -> tuple[torch.Tensor, None]:
-    plan = draftlab_rows
-    if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = query.shape[2]
-    if query.shape[0] != 1:
-        raise ValueError(f"row-exact attention runs one sequence at a time, got a batch of {query.shape[0]}")
-    if plan.num_rows != rows:
-        raise ValueError(f"row plan has {plan.num_rows} rows for {rows} queries")
     kv_heads, d = key.shape[1], query.shape[3]
     # Each row its own batch entry; the query heads sharing a KV head are its query length
     # (heads are grouped as HF's repeat_kv groups them): (T, kv, heads/kv, d).
@@ -156,9 +170,56 @@ def row_exact_attention(
     return out.reshape(1, rows, -1, d), None  # (1, T, heads, d)
 
 
-def install(model) -> None:
-    """Register the attention with transformers (idempotent) and switch `model` to it."""
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, row_exact_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
-    model.set_attn_implementation(NAME)
+def _with_plan(mode: str, rows_fn):
+    """The transformers attention function for `rows_fn(module, query, key, value, plan)`:
+    transformers' SDPA unchanged without a row plan (prefill, HF `generate`), else `rows_fn`
+    once the block's shape is checked against the plan."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,  # (1, heads, T, d)
+        key: torch.Tensor,  # (1, kv_heads, S, d), the cache included
+        value: torch.Tensor,  # (1, kv_heads, S, d)
+        attention_mask: torch.Tensor | None,
+        draftlab_rows: RowPlan | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        if draftlab_rows is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if query.shape[0] != 1:
+            raise ValueError(f"{mode} attention runs one sequence at a time, got a batch of {query.shape[0]}")
+        if draftlab_rows.num_rows != query.shape[2]:
+            raise ValueError(f"row plan has {draftlab_rows.num_rows} rows for {query.shape[2]} queries")
+        return rows_fn(module, query, key, value, draftlab_rows)
+
+    return attention
+
+
+Mode = Literal["auto", "row-exact", "fused"]
+IMPLEMENTATIONS = {  # mode -> (name registered with transformers, attention function)
+    "row-exact": (NAME, _with_plan("row-exact", row_exact_attention)),
+    "fused": (fused_attention.NAME, _with_plan("fused", fused_attention.fused_attention)),
+}
+
+
+def choose(mode: Mode, device: torch.device | str) -> str:
+    """The verify attention for `device`: `auto` = `row-exact` on CPU (verified rows equal
+    decoded rows bit for bit under oneDNN), `fused` elsewhere (CUDA: one kernel over the
+    cache, no per-row copies; greedy identity up to floating-point ties)."""
+    if mode == "auto":
+        return "row-exact" if torch.device(device).type == "cpu" else "fused"
+    if mode not in IMPLEMENTATIONS:
+        raise ValueError(f"attention {mode!r} is not one of auto, {', '.join(IMPLEMENTATIONS)}")
+    return mode
+
+
+def install(model, mode: Mode = "auto") -> str:
+    """Register both attentions with transformers (idempotent), switch `model` to the one
+    `choose(mode, model.device)` picks, and return its mode."""
+    chosen = choose(mode, model.device)
+    for name, fn in IMPLEMENTATIONS.values():
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, fn)
+            AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(IMPLEMENTATIONS[chosen][0])
+    return chosen

@@ -65,15 +65,22 @@ def _convert_smollm2(dest: Path) -> None:
         os.replace(out, dest)  # atomic: a reader sees the whole directory or none
 
 
-def _smollm2(dtype: torch.dtype):
+def _smollm2_files() -> Path:
+    """The converted safetensors + tokenizer directory (converted once, under a file lock)."""
     from filelock import FileLock
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dest = cache_dir() / "models" / "smollm2-135m"
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest) + ".lock"):
         if not (dest / "model.safetensors").is_file():
             _convert_smollm2(dest)
+    return dest
+
+
+def _smollm2(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest = _smollm2_files()
     tokenizer = AutoTokenizer.from_pretrained(dest)
     model = AutoModelForCausalLM.from_pretrained(dest, dtype=dtype)
     return model, tokenizer
@@ -153,6 +160,15 @@ PRESETS: dict[str, Callable] = {
     # for the lossless-sampling test.
     "tiny-llama-v8": _tiny_llama(list("abcdefg"), ["<s>"], None, init_range=0.6, seed=1),
 }
+
+
+# Presets backed by files on disk (a job driver reads their metadata instead of loading them).
+_PRESET_FILES: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2_files}
+
+
+def preset_files(name: str) -> Path | None:
+    """The directory of a file-backed preset; None for the in-memory test models."""
+    return _PRESET_FILES[name]() if name in _PRESET_FILES else None
 
 
 def available_presets() -> list[str]:

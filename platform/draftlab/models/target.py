@@ -6,7 +6,6 @@ file is forked. All calls use batch size 1 and a transformers `DynamicCache`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from draftlab.config import TargetSpec
 from draftlab.models import attention
+from draftlab.models.fingerprint import NotFromFiles, files_fingerprint, weights_fingerprint
 
 
 @dataclass
@@ -148,24 +148,6 @@ def _row_keys(rows: list | attention.RowPlan, device: torch.device) -> list[torc
     return [torch.arange(n, device=device) for n in rows]
 
 
-def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 4096) -> str:
-    """A cheap, stable digest of the weights: names, shapes and a strided sample of values.
-
-    Hashing all bytes of a multi-GB model takes minutes; a strided sample of every tensor
-    still changes when any checkpoint is swapped, which is what the drafter check needs.
-    Samples are rounded to bfloat16 first, so the same weights loaded in float32, bfloat16
-    or float16 share one fingerprint (a drafter trained against one precision loads on all).
-    """
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // samples_per_tensor)
-        sample = flat[::step][:samples_per_tensor].to("cpu", torch.bfloat16).float()
-        h.update(f"{name}:{tuple(t.shape)}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -266,14 +248,103 @@ def load_target(spec: TargetSpec | str) -> Target:
                     f"Presets: {available_presets()}. Cause: {e}"
                 ) from None
     model = freeze(model.to(device=device, dtype=dtype))
-    attention.install(model)
+    attention.install(model, spec.attention)
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_amx_bf16():
         rows_invariant_linears(model)
     # HF generate's prefill hands the LM head a strided (B, 1, H) slice; torch's matmul then
     # broadcasts the (H, V) weight to (B, H, V) and copies it (GBs at V=49k). Contiguous
     # input keeps it one matmul.
     model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
-    eos = model.generation_config.eos_token_id if model.generation_config else None
+    return Target(name, model, tokenizer, weights_fingerprint(model), _eos_ids(model.generation_config, tokenizer))
+
+
+def _eos_ids(generation_config, tokenizer) -> frozenset[int]:
+    """The generation config's EOS ids, else the tokenizer's EOS."""
+    eos = generation_config.eos_token_id if generation_config else None
     eos = eos if eos is not None else tokenizer.eos_token_id
-    eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-    return Target(name, model, tokenizer, weights_fingerprint(model), eos_ids)
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+def placed_spec(spec: TargetSpec, use_gpu: bool, field: str, what: str) -> TargetSpec:
+    """The spec a task that reserved (or did not reserve) a GPU loads: no "auto" left in
+    device or dtype, resolved from `use_gpu` and the config strings alone (no CUDA query).
+
+    The device follows `use_gpu`, not CUDA availability: Ray 2.60 leaves
+    CUDA_VISIBLE_DEVICES alone for tasks that reserved no GPU, so "auto" would grab an
+    unreserved GPU on a GPU node.
+    """
+    if spec.device == "cuda" and not use_gpu:
+        raise ValueError(f"target.device is 'cuda' but {field} is False: {what} get no GPU")
+    device = spec.device if spec.device != "auto" else ("cuda" if use_gpu else "cpu")
+    if spec.dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    else:
+        dtype = spec.dtype
+    return spec.model_copy(update={"device": device, "dtype": dtype})
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a job driver needs of a target: no weights."""
+
+    name: str
+    tokenizer: object
+    fingerprint: str
+    eos_token_ids: frozenset[int]
+
+
+def _weights_dir(name: str) -> Path | None:
+    """The directory holding a target's safetensors and tokenizer files, fetched if needed
+    (files only: a hub id lands in the HF cache, where the workers on this node find it);
+    None for GGUF files and in-memory presets."""
+    from draftlab.models.presets import PRESETS, preset_files
+
+    if name in PRESETS:
+        return preset_files(name)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        return None
+    if path.exists() or name.startswith((".", "/", "~")):
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+    return Path(snapshot_download(name, allow_patterns=patterns))
+
+
+def describe_target(spec: TargetSpec | str) -> TargetInfo:
+    """Name, tokenizer, fingerprint and EOS ids of a target without loading its weights.
+
+    The fingerprint comes from the safetensors headers and a memory-mapped sample of the
+    values (`files_fingerprint`), equal to the one `load_target` computes on the loaded
+    weights for the dtype `spec` resolves to. GGUF files, in-memory presets and checkpoints
+    whose tensors do not map one to one onto the model's are loaded on the CPU instead.
+    """
+    from transformers import GenerationConfig
+
+    spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
+    directory = _weights_dir(spec.name)
+    if directory is not None:
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"target {spec.name!r}: {directory} is not an HF model directory (no config.json)")
+        load_dtype = resolve_dtype(spec.dtype, torch.device("cuda" if spec.device == "cuda" else "cpu"))
+        try:
+            fingerprint = files_fingerprint(directory, load_dtype)
+        except NotFromFiles:
+            directory = None
+    if directory is None:
+        loaded = load_target(spec.model_copy(update={"device": "cpu"}))
+        return TargetInfo(loaded.name, loaded.tokenizer, loaded.fingerprint, loaded.eos_token_ids)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=spec.trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(directory)
+    except OSError:  # no generation_config.json: transformers derives one from config.json
+        from transformers import AutoConfig
+
+        generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))
+    return TargetInfo(spec.name, tokenizer, fingerprint, _eos_ids(generation_config, tokenizer))
+
+
+def target_fingerprint(spec: TargetSpec | str) -> str:
+    """The fingerprint `load_target` gives these weights (see `describe_target`)."""
+    return describe_target(spec).fingerprint

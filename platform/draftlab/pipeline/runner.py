@@ -33,6 +33,7 @@ from pathlib import Path
 
 from draftlab.pipeline import stages
 from draftlab.pipeline.config import Pipeline, load_pipeline
+from draftlab.storage import exists
 
 
 def fingerprint(obj) -> str:
@@ -56,7 +57,7 @@ class Stage:
 
 
 def _exists(key: str) -> Callable[[PipelineRun, dict], bool]:
-    return lambda run, out: Path(out[key]).exists()
+    return lambda run, out: exists(out[key])  # a local path or a URI (s3://...)
 
 
 def _sweep_inputs(run: PipelineRun):
@@ -200,9 +201,11 @@ def connect_cluster(progress: bool = True) -> dict:
 
 def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
     """Run (or continue) the pipeline of `path`; returns the summary."""
+    from draftlab.submit import check_hub_access
     from draftlab.tracking import Tracker, resolve_tracking_uri
 
     p = load_pipeline(path, overrides)
+    check_hub_access(p.distill.target, p.distill.data.source)
     run_dir = Path(p.cfg.state_dir).expanduser().resolve() / p.cfg.name
     uri = resolve_tracking_uri(p.distill.tracking.tracking_uri)
     state_file = run_dir / "state.json"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.config import ConfigError, ServeArgs, TargetSpec
+from draftlab.storage import is_uri, local_copy
 from draftlab.tracking import drafter_model_name, resolve_tracking_uri
 
 
@@ -64,8 +65,9 @@ def model_version(args: ServeArgs):
 
 
 def resolve_pair(args: ServeArgs) -> Pair:
-    if args.drafter is not None:
-        return Pair(args.target, args.drafter, {"drafter": args.drafter})
+    if args.drafter is not None:  # a URI (s3://...) is served from its local mirror
+        local = str(local_copy(args.drafter)) if is_uri(args.drafter) else args.drafter
+        return Pair(args.target, local, {"drafter": args.drafter})
     from mlflow import MlflowClient
 
     uri, tracking, mv = model_version(args)

@@ -108,7 +108,11 @@ class SweepCallback(tune.Callback):
 def _paths(base: dict, name: str) -> tuple[Path, Path]:
     from draftlab.distill.trainer import storage_uri
 
-    root = Path(storage_uri(base.get("storage_path", ".draftlab/ray")))
+    storage = storage_uri(base.get("storage_path", ".draftlab/ray"))
+    if "://" in storage:  # Path() would fold it into a local `s3:/...` directory
+        raise ConfigError(f"storage_path {storage!r}: a sweep coordinates its trials through file locks and "
+                          f"files under storage_path, so it needs a local or shared (NFS) directory, not a URI")
+    root = Path(storage)
     return root / "sweeps" / name, root / "trainings"
 
 
@@ -160,10 +164,12 @@ def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = Tr
     """Run an already loaded sweep (`load_sweep`, or built by `draftlab pipeline`)."""
     from draftlab.data.selfdistill import load_or_generate
     from draftlab.distill.trainer import ensure_ray
+    from draftlab.submit import check_hub_access
 
     exp_dir, trainings = _paths(base, sweep.name)
-    ensure_ray()
     cfg = trial_config(base, {})
+    check_hub_access(cfg.target, cfg.data.source)
+    ensure_ray()
     data = load_or_generate(cfg.data, cfg.target, progress=progress)  # cached: never per trial
     data_path = str(Path(data["train"].cache_files[0]["filename"]).parent.parent)
     state = {"sweep": sweep.model_dump(mode="json"), "base": base, "source": source, "data_path": data_path}
@@ -182,6 +188,9 @@ def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
                           f"(<storage_path>/sweeps/<name>)")
     state = json.loads(state_file.read_text())
     sweep = SweepConfig.model_validate(state["sweep"])
+    from draftlab.submit import check_hub_access
+
+    check_hub_access(trial_config(state["base"], {}).target)  # the data is cached: only trials load the target
     ensure_ray()
     _, trainings = _paths(state["base"], sweep.name)
     return _run(sweep, state["base"], state, exp_dir, trainings, progress, restore=True)

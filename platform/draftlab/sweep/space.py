@@ -187,8 +187,11 @@ def trial_config(base: dict, params: dict[str, Any], name: str | None = None, wh
 
 def training_key(cfg: DistillConfig) -> str:
     """Digest of what determines the trained drafter: everything but its name, outputs,
-    tracking and benchmark settings (trees and benches never retrain)."""
-    keep = cfg.model_dump(mode="json", exclude={"name", "output_dir", "tracking", "bench", "storage_path"})
+    tracking, benchmark, attention and prefetch settings (trees and benches never retrain;
+    the last two do not change the weights)."""
+    drop = {"name": True, "output_dir": True, "tracking": True, "bench": True, "storage_path": True,
+            "target": {"attention"}, "train": {"prefetch"}}
+    keep = cfg.model_dump(mode="json", exclude=drop)
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftlab.config import DistillConfig
+from draftlab.config import DistillConfig, ScalingSpec, TargetSpec
 from draftlab.decoding.tree import Tree, split_ngram
 from draftlab.sweep.space import training_key, trial_config
 
@@ -73,8 +73,22 @@ def plan(params: dict, ctx: SweepContext) -> Plan:
         "output_dir": str(run_dir / "drafter"),
         "bench": probe.bench.model_copy(update={"enabled": False}),  # the trial benchmarks
         "tracking": probe.tracking.model_copy(update={"register_model": False}),
+        "scaling": trial_scaling(probe.scaling),
     })
     return Plan(cfg, key, run_dir)
+
+
+def trial_scaling(sc: ScalingSpec) -> ScalingSpec:
+    """A trial's training workers: a multi-GPU trial runs on one node (`STRICT_PACK`).
+
+    Trials are ranked by speed under one time budget, so a trial whose all-reduce crossed
+    nodes (what PACK or SPREAD allow when a node is partly taken) would lose to an equal
+    drafter packed on NVLink; STRICT_PACK waits for a whole node instead. Size
+    `scaling.num_workers` to a node's GPUs. CPU and single-GPU trials keep the config's.
+    (Not part of `training_key`: placement changes speed, not the trained drafter.)"""
+    if sc.use_gpu and sc.num_workers > 1:
+        return sc.model_copy(update={"placement_strategy": "STRICT_PACK"})
+    return sc
 
 
 def trial_run_name(ctx: SweepContext, trial_id: str) -> str:
@@ -144,24 +158,37 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
     return out
 
 
+def bench_target(cfg: DistillConfig) -> TargetSpec:
+    """The target as the trial's bench task loads it, from the config strings alone: device
+    `auto` pinned by the trial's resources (a task that reserved no GPU must not pick one
+    up) and dtype `auto` by that device. No CUDA query: the trial process holds no GPU."""
+    from draftlab.models.target import placed_spec
+
+    return placed_spec(cfg.target, cfg.scaling.use_gpu, "scaling.use_gpu", "the trial's training and bench tasks")
+
+
 def _run_task(fn, cfg: DistillConfig, *args):
     import ray
 
-    return ray.get(ray.remote(fn).options(**_remote_options(cfg)).remote(cfg.model_dump(mode="json"), *args))
+    pinned = cfg.model_copy(update={"target": bench_target(cfg)})
+    return ray.get(ray.remote(fn).options(**_remote_options(cfg)).remote(pinned.model_dump(mode="json"), *args))
 
 
-def _bench_digest(cfg: DistillConfig, objective: str = "draftlab") -> str:
+def bench_digest(cfg: DistillConfig, objective: str = "draftlab") -> str:
     """Bench results are reused only for the same prompts and engine on the same kind of
-    hardware and precision (`dtype: auto` resolves per machine)."""
+    hardware and precision: the `bench_target` the bench task runs (never resolved here,
+    where no GPU is held), the machine architecture and any non-default target setting
+    (e.g. its attention kernel)."""
     import platform as std_platform
 
-    from draftlab.models.target import resolve_device, resolve_dtype
-
-    b, device = cfg.bench, resolve_device(cfg.target.device)
-    spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens, "device": device.type,
-            "dtype": str(resolve_dtype(cfg.target.dtype, device)), "machine": std_platform.machine()}
+    b, target = cfg.bench, bench_target(cfg)
+    spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens, "device": target.device,
+            "dtype": f"torch.{target.dtype}", "machine": std_platform.machine()}
     if objective != "draftlab":  # older digests stay valid
         spec["objective"] = objective
+    extra = target.model_dump(mode="json", exclude_defaults=True, exclude={"name", "device", "dtype", "trust_remote_code"})
+    if extra:  # only when set: older digests stay valid
+        spec["target"] = extra
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -191,7 +218,7 @@ def ensure_trained(p: Plan, ctx: SweepContext, run_id: str | None, trial_id: str
 def ensure_evaluated(p: Plan, ctx: SweepContext, tree: str) -> dict:
     """`tree`'s bench result for this drafter; benches every sweep tree not yet measured
     (plus `tree`) in one run when `tree` is missing. Caller holds the lock."""
-    path = p.dir / f"evals-{_bench_digest(p.cfg, ctx.objective)}.json"
+    path = p.dir / f"evals-{bench_digest(p.cfg, ctx.objective)}.json"
     evals = json.loads(path.read_text()) if path.is_file() else {}
     if tree not in evals:
         missing = [t for t in dict.fromkeys([*ctx.trees, tree]) if t not in evals]

@@ -295,10 +295,12 @@ def init_drafter(
 
 
 def load_drafter(path: str | Path, target: Target) -> DrafterNet:
-    """Load a saved drafter; fails clearly if it was built for another target."""
+    """Load a saved drafter (a directory, or a URI such as s3://... read through its local
+    mirror); fails clearly if it was built for another target."""
     from draftlab.models.drafters.registry import drafter_class
+    from draftlab.storage import local_copy
 
-    path = Path(path)
+    path = local_copy(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
         raise FileNotFoundError(f"{path} is not a drafter directory (needs config.json and model.safetensors)")

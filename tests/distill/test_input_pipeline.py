@@ -1,0 +1,153 @@
+"""The training input pipeline: the compact group mask (built on the device from (B, M)
+vectors) against the dense fp32 (B, 1, M, M) mask collate used to build, and the prefetched
+batch stream against the plain loop (same batches, same drop-token draws)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from draftlab.config import TrainConfig
+from draftlab.data.group_mask import build_group_layout
+from draftlab.distill.batching import collate
+from draftlab.distill.loader import TrainStream, batch_stream, epoch_batches
+from draftlab.distill.objective import DistillModule, gather_states, loss_and_backward
+from draftlab.distill.worker import teacher_states
+from draftlab.models.drafters import init_drafter
+
+K = 3
+LENGTHS = (9, 17, 12, 5)
+
+
+def _rows(lengths=LENGTHS, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"input_ids": torch.randint(3, 100, (n,), generator=g).tolist(), "prompt_len": 3}
+        for n in lengths
+    ]
+
+
+def _brute_force_attend(anchor: list[int], depth: list[int]) -> torch.Tensor:
+    m = len(anchor)
+    out = torch.zeros(m, m, dtype=torch.bool)
+    for i in range(m):
+        for j in range(m):
+            out[i, j] = (depth[j] == 0 and anchor[j] <= anchor[i]) or (
+                anchor[j] == anchor[i] and depth[j] <= depth[i]
+            )
+    return out
+
+
+def _old_dense_mask(rows: list[dict], seed: int) -> torch.Tensor:
+    """The (B, 1, M, M) fp32 additive mask collate built before (same layouts, same draws):
+    padding everywhere, 0 on padding nodes' diagonal, each sample's group mask at the top left."""
+    g = torch.Generator().manual_seed(seed)
+    layouts = [
+        build_group_layout(len(r["input_ids"]) - 1, K, drop_tokens=True, generator=g) for r in rows
+    ]
+    m = max(lay.num_nodes for lay in layouts)
+    neg = torch.finfo(torch.float32).min
+    attn = torch.full((len(rows), 1, m, m), neg)
+    attn[:, 0].diagonal(dim1=-2, dim2=-1).zero_()
+    for b, lay in enumerate(layouts):
+        allowed = _brute_force_attend(lay.anchor.tolist(), lay.depth.tolist())  # (n, n)
+        attn[b, 0, : lay.num_nodes, : lay.num_nodes] = torch.where(allowed, 0.0, neg)
+    return attn
+
+
+def test_compact_mask_equals_the_old_dense_mask():
+    rows = _rows()
+    batch = collate(rows, K, 64, True, torch.Generator().manual_seed(5))
+    mask = batch.attention_mask()  # (B, 1, M, M) bool, built from the (B, M) vectors
+    assert mask.dtype == torch.bool
+    dense = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    assert torch.equal(dense, _old_dense_mask(rows, seed=5))
+
+
+class _OldDenseMaskModule(DistillModule):
+    """DistillModule as it was: the dense fp32 additive mask straight into the decoder."""
+
+    def __init__(self, drafter, dense: torch.Tensor):
+        super().__init__(drafter)
+        self.dense = dense
+
+    def forward(self, batch, hidden):
+        x = self.drafter.embed_nodes(
+            batch.node_token, gather_states(hidden, batch.node_anchor), batch.mask_idx
+        )
+        return self.drafter(x, batch.position_ids, attention_mask=self.dense)
+
+
+@pytest.mark.parametrize("family", ["parallel", "p-eagle"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_compact_mask_gives_identical_losses_and_gradients(tiny, family, autocast):
+    """The decoder now gets a bool mask (1 byte a pair, SDPA reads it as is); the losses and
+    gradients are bit for bit those of the dense fp32 mask."""
+    rows = _rows()
+    batch = collate(rows, K, 64, True, torch.Generator().manual_seed(5))
+    results, masks = [], []
+    for make in (DistillModule, lambda d: _OldDenseMaskModule(d, _old_dense_mask(rows, seed=5))):
+        drafter = init_drafter(family, tiny, k=K, depth=2, seed=0).float().train()
+        drafter.decoder.register_forward_pre_hook(
+            lambda m, a, kw: masks.append(kw["attention_mask"]), with_kwargs=True
+        )
+        feats = teacher_states(tiny, batch, drafter.cfg.aux_layers)
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            stats = loss_and_backward(
+                make(drafter), drafter, batch, feats, TrainConfig(ce_weight=0.5), K
+            )
+        results.append(
+            (
+                stats,
+                {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+            )
+        )
+    assert masks[0].dtype == torch.bool and masks[1].dtype == torch.float32
+    (new, new_grads), (old, old_grads) = results
+    assert new.loss == old.loss and new.agree == old.agree and new.kl == old.kl
+    assert new_grads.keys() == old_grads.keys() and new_grads
+    assert all(torch.equal(new_grads[n], old_grads[n]) for n in new_grads)
+
+
+def _plain_loop(
+    data, train: TrainConfig, rank: int, world: int, epoch0: int, start: int, seed: int
+) -> list:
+    """The worker's loop before prefetching: epoch by epoch, collating inline, one generator."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for epoch in range(epoch0, train.epochs):
+        batches = epoch_batches(len(data), train.batch_size, epoch, train.seed, rank, world)
+        for i, idx in enumerate(
+            batches[start if epoch == epoch0 else 0 :], start=start if epoch == epoch0 else 0
+        ):
+            b = collate(
+                [data[j] for j in idx],
+                K,
+                train.max_seq_len,
+                train.drop_tokens,
+                gen,
+                loss_on_prompt=train.loss_on_prompt,
+            )
+            out.append((epoch, i, len(batches), b))
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize(("rank", "epoch0", "start"), [(0, 0, 0), (1, 1, 2)])
+def test_prefetched_stream_is_the_plain_loop_batch_for_batch(prefetch, rank, epoch0, start):
+    """A DataLoader worker process builds the batches ahead (prefetch=2): same order, same
+    rows, same drop-token draws as collating in the loop; also from a resume position."""
+    data = datasets.Dataset.from_list(_rows(lengths=[5 + (7 * i) % 19 for i in range(22)], seed=1))
+    train = TrainConfig(
+        epochs=3, batch_size=3, max_seq_len=16, drop_tokens=True, loss_on_prompt=True, seed=4
+    )
+    ref = _plain_loop(data, train, rank, 2, epoch0, start, seed=11)
+    stream = TrainStream(data, K, train, rank, 2, epoch0, start, torch.Generator().manual_seed(11))
+    got = list(batch_stream(stream, torch.device("cpu"), prefetch))
+    assert [(s.epoch, s.index, s.count) for s in got] == [r[:3] for r in ref]
+    assert len(got) == 3 * 3 - 1 * 3 * epoch0 - start  # 11 rows a rank -> 3 batches an epoch
+    for s, (*_, b) in zip(got, ref, strict=True):
+        for name, value in vars(b).items():
+            mine = getattr(s.batch, name)
+            assert (mine is None and value is None) or torch.equal(mine, value), name
