@@ -343,8 +343,3 @@ def describe_target(spec: TargetSpec | str) -> TargetInfo:
 
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))
     return TargetInfo(spec.name, tokenizer, fingerprint, _eos_ids(generation_config, tokenizer))
-
-
-def target_fingerprint(spec: TargetSpec | str) -> str:
-    """The fingerprint `load_target` gives these weights (see `describe_target`)."""
-    return describe_target(spec).fingerprint
