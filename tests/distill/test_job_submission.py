@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,18 +30,19 @@ DRAFTLAB = str(Path(sys.executable).with_name("draftlab"))
 def head(tmp_path_factory):
     """A real head node in its own process group, so teardown stops exactly this cluster
     (`ray stop` would stop every Ray instance on the machine)."""
-    from mlflow_server import free_port
+    from mlflow_server import free_ports
 
-    port, dash = free_port(), free_port()
     # Every fixed default port gets a free one: another Ray instance on this machine (a
     # developer's, or a test module's) must not collide with this head's agents.
-    agent_ports = [f"--{flag}={free_port()}" for flag in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-        "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
+    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
+    port, dash, *others = free_ports(2 + len(flags))
+    agent_ports = [f"--{flag}={p}" for flag, p in zip(flags, others, strict=True)]
     # As with an activated virtualenv: the job's `python` is this interpreter.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "PATH": path}
-    log = open(tmp_path_factory.mktemp("head") / "ray-start.log", "w")
+    log_path = tmp_path_factory.mktemp("head") / "ray-start.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed at teardown)
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=3", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--object-store-memory=157286400",
@@ -47,7 +50,19 @@ def head(tmp_path_factory):
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
-        yield f"http://127.0.0.1:{dash}"
+        url = f"http://127.0.0.1:{dash}"
+        deadline = time.monotonic() + 120
+        while True:  # up, or failed to start: say why instead of timing out in the tests
+            assert proc.poll() is None, f"ray start exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+            try:
+                urllib.request.urlopen(f"{url}/api/version", timeout=5).close()
+                break
+            except urllib.error.HTTPError:  # it answers (401 without Ray's auth token): it is up
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"no dashboard after 120 s: {log_path.read_text()[-3000:]}"
+                time.sleep(1)
+        yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
