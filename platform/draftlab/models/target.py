@@ -184,10 +184,7 @@ def rows_invariant_linears(model: nn.Module) -> None:
     one row and a verify block several, so greedy speculative output could drift from
     decoding on near-ties; two rows cost the same as one in bf16 (see `cpu_has_fast_bf16`).
     """
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and not getattr(module, "_draftlab_two_rows", False):
-            module.forward = _two_row_forward(module.forward)
-            module._draftlab_two_rows = True
+    _wrap_linears(model, "_draftlab_two_rows", _two_row_forward)
 
 
 def weight_major_linears(model: nn.Module) -> None:
@@ -200,10 +197,15 @@ def weight_major_linears(model: nn.Module) -> None:
     90-100 ms either way. So a speculative round's verify costs about one decoding step, not
     1.6-1.8 of them. (Rows match `x @ W^T`'s to float32 precision, not bit for bit; float32
     rows already differ in the last bits between 1-3 and 4+ rows.)"""
+    _wrap_linears(model, "_draftlab_weight_major", _weight_major_forward)
+
+
+def _wrap_linears(model: nn.Module, marker: str, wrap) -> None:
+    """Replace every Linear's forward by `wrap(linear)`, once per `marker`."""
     for module in model.modules():
-        if isinstance(module, nn.Linear) and not getattr(module, "_draftlab_weight_major", False):
-            module.forward = _weight_major_forward(module)
-            module._draftlab_weight_major = True
+        if isinstance(module, nn.Linear) and not getattr(module, marker, False):
+            module.forward = wrap(module)
+            setattr(module, marker, True)
 
 
 def _weight_major_forward(linear: nn.Linear):
@@ -221,7 +223,9 @@ def _weight_major_forward(linear: nn.Linear):
     return forward
 
 
-def _two_row_forward(inner):
+def _two_row_forward(linear: nn.Linear):
+    inner = linear.forward
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.numel() != x.shape[-1]:
             return inner(x)
