@@ -31,3 +31,21 @@ def test_lr_decays_with_whichever_budget_runs_out_first():
     assert abs(lr_factor(55, warmup=10, total=10**6, time_used=0.5) - 0.55) < 1e-9
     assert lr_factor(56, warmup=10, total=10**6, time_used=1.0) == 0.1
 
+
+
+def test_vocab_trim_takes_response_tokens_then_prompt_tokens_then_low_ids():
+    import datasets
+
+    from draftlab.distill.worker import frequent_tokens
+
+    rows = {
+        # prompt | response: responses use 7 (x3), 9 (x2) and 30 (x1); prompts 12 (x2), 40 (x1)
+        "input_ids": [[12, 40, 7, 7, 9], [12, 7, 9, 30]],
+        "prompt_len": [2, 1],
+    }
+    train = datasets.Dataset.from_dict(rows)
+    eos = frozenset({2})
+    assert frequent_tokens(train, 4, 64, eos).tolist() == [2, 7, 9, 30]  # EOS always, then responses
+    # every response token is in: spare slots go to prompt tokens by count, then to the lowest ids
+    assert frequent_tokens(train, 6, 64, eos).tolist() == [2, 7, 9, 12, 30, 40]
+    assert frequent_tokens(train, 8, 64, eos).tolist() == [0, 1, 2, 7, 9, 12, 30, 40]

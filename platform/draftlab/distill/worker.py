@@ -63,14 +63,22 @@ def group_count(cfg: DistillConfig) -> int:
 
 
 def frequent_tokens(train: datasets.Dataset, n: int, vocab: int, always: frozenset[int]) -> torch.Tensor:
-    """VocabTrim: the n most frequent response tokens (plus EOS), sorted by id."""
-    counts = torch.zeros(vocab, dtype=torch.long)
+    """VocabTrim: the n most frequent response tokens (plus EOS), sorted by id.
+
+    Slots left once every response token is in (small data sets use a few thousand distinct
+    tokens) go to the most frequent prompt tokens, then to the lowest ids (BPE ids roughly
+    follow merge order, i.e. corpus frequency), instead of arbitrary never-seen tokens."""
+    resp = torch.zeros(vocab, dtype=torch.long)
+    prompt = torch.zeros(vocab, dtype=torch.long)
     for row in train.select_columns(["input_ids", "prompt_len"]):
-        resp = torch.as_tensor(row["input_ids"][row["prompt_len"] :], dtype=torch.long)
-        counts += torch.bincount(resp, minlength=vocab)[:vocab]
-    for t in always:
-        counts[t] = counts.max() + 1
-    return counts.topk(n).indices.sort().values  # (n,)
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        resp += torch.bincount(ids[row["prompt_len"] :], minlength=vocab)[:vocab]
+        prompt += torch.bincount(ids[: row["prompt_len"]], minlength=vocab)[:vocab]
+    # One sortable score: response count, then prompt count, then lower id first.
+    rank = torch.arange(vocab, 0, -1, dtype=torch.float64) / (vocab + 1)  # (V,) in (0, 1)
+    score = resp.double() * (prompt.max().double() + 1) + prompt.double() + rank
+    score[list(always)] = float("inf")
+    return score.topk(n).indices.sort().values  # (n,)
 
 
 def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -> DrafterNet:
