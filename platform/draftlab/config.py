@@ -448,6 +448,10 @@ class TrainConfig(StrictModel):
     feature_weight: float = Field(0.0, ge=0.0)
     """Weight of SmoothL1 between depth-0 outputs and the target's next hidden state
     (EAGLE's feature loss; what lets an autoregressive drafter feed itself)."""
+    feature_noise: float = Field(0.0, ge=0.0, le=1.0)
+    """Std of Gaussian noise added to the target states the drafter reads in training,
+    relative to each state's RMS (EAGLE's input noise: a regulariser for small data sets);
+    0 = off. Teacher distributions and evaluation never see it."""
     drop_tokens: bool = True
     """Subsample deep groups (keep L*max(0.7^d, 0.2) anchors at depth d)."""
     loss_on_prompt: bool = False

@@ -1,10 +1,14 @@
 """Agreement metrics of the objective with a VocabTrim head."""
 
+import datasets
 import torch
 
-from draftlab.config import TrainConfig
-from draftlab.distill.objective import node_losses
+from draftlab.config import TargetSpec, TrainConfig
+from draftlab.distill.batching import collate
+from draftlab.distill.objective import DistillModule, loss_and_backward, node_losses, noisy
+from draftlab.distill.worker import frequent_tokens, teacher_states
 from draftlab.models.drafters import init_drafter
+from draftlab.models.target import load_target
 
 
 def test_full_vocab_agreement_counts_trimmed_target_tokens_as_misses(tiny):
@@ -34,10 +38,6 @@ def test_lr_decays_with_whichever_budget_runs_out_first():
 
 
 def test_vocab_trim_takes_response_tokens_then_prompt_tokens_then_low_ids():
-    import datasets
-
-    from draftlab.distill.worker import frequent_tokens
-
     rows = {
         # prompt | response: responses use 7 (x3), 9 (x2) and 30 (x1); prompts 12 (x2), 40 (x1)
         "input_ids": [[12, 40, 7, 7, 9], [12, 7, 9, 30]],
@@ -49,3 +49,25 @@ def test_vocab_trim_takes_response_tokens_then_prompt_tokens_then_low_ids():
     # every response token is in: spare slots go to prompt tokens by count, then to the lowest ids
     assert frequent_tokens(train, 6, 64, eos).tolist() == [2, 7, 9, 12, 30, 40]
     assert frequent_tokens(train, 8, 64, eos).tolist() == [0, 1, 2, 7, 9, 12, 30, 40]
+
+
+def test_feature_noise_is_relative_per_state_and_only_in_training():
+    # two concatenated states of very different scales: each gets noise of its own RMS
+    g = torch.Generator().manual_seed(0)
+    states = torch.cat([torch.randn(4000, 8, generator=g) * 100.0, torch.randn(4000, 8, generator=g) * 0.01], -1)
+    torch.manual_seed(0)
+    delta = noisy(states, 8, 0.1) - states  # (4000, 16)
+    assert abs(float(delta[:, :8].std()) - 10.0) < 0.5  # 0.1 x RMS 100
+    assert abs(float(delta[:, 8:].std()) - 0.001) < 0.00005  # 0.1 x RMS 0.01
+
+    target = load_target(TargetSpec(name="tiny-llama", dtype="float32"))
+    drafter = init_drafter("p-eagle", target, k=2, depth=1, seed=0)
+    rows = [{"input_ids": torch.randint(3, target.vocab_size, (30,), generator=g).tolist(), "prompt_len": 4}]
+    batch = collate(rows, 2, 512, False, None)
+    hidden = teacher_states(target, batch, drafter.aux_layers)
+    clean, noised = DistillModule(drafter), DistillModule(drafter, feature_noise=0.2)
+    with torch.no_grad():
+        assert torch.equal(noised.eval()(batch, hidden), clean.eval()(batch, hidden))  # evaluation: no noise
+        assert not torch.allclose(noised.train()(batch, hidden), clean.train()(batch, hidden))
+    stats = loss_and_backward(noised.train(), drafter, batch, hidden, TrainConfig(feature_noise=0.2), 2)
+    assert stats.loss > 0 and all(p.grad is not None for p in drafter.fc.parameters())

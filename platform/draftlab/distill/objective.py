@@ -35,14 +35,25 @@ def decoder_mask(attend: torch.Tensor, attn_implementation: str) -> torch.Tensor
     return torch.zeros(attend.shape, device=attend.device).masked_fill_(~attend, neg)  # (B, 1, M, M)
 
 
+def noisy(states: torch.Tensor, width: int, scale: float) -> torch.Tensor:
+    """(..., F) states made of F / width concatenated target states, each plus Gaussian
+    noise of std `scale` times that state's RMS."""
+    parts = states.float().unflatten(-1, (-1, width))  # (..., F / width, width)
+    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()  # (..., F / width, 1)
+    return (parts + torch.randn_like(parts) * rms * scale).flatten(-2).to(states.dtype)  # (..., F)
+
+
 class DistillModule(nn.Module):
-    def __init__(self, drafter: DrafterNet):
+    def __init__(self, drafter: DrafterNet, feature_noise: float = 0.0):
         super().__init__()
         self.drafter = drafter
+        self.feature_noise = feature_noise  # TrainConfig.feature_noise: in training mode only
 
     def forward(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (B, L, F) target features -> (B, M, H) drafter outputs for every node."""
         anchor_h = gather_states(hidden, batch.node_anchor)  # (B, M, F)
+        if self.training and self.feature_noise:
+            anchor_h = noisy(anchor_h, self.drafter.hidden_size, self.feature_noise)
         x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, D)
         mask = decoder_mask(batch.attention_mask(), self.drafter.decoder.config._attn_implementation)  # (B, 1, M, M)
         return self.drafter(x, batch.position_ids, attention_mask=mask)  # (B, M, H)

@@ -255,7 +255,7 @@ def train_fn_per_worker(config: dict) -> dict:
     def make_optimizer(d: DrafterNet) -> torch.optim.Optimizer:
         """Wrap `d` for data parallelism (FSDP shards it in place), then AdamW over the
         wrapped parameters (under FSDP: this rank's shards)."""
-        wrapped["model"] = wrap_model(DistillModule(d), cfg.scaling.strategy, world)
+        wrapped["model"] = wrap_model(DistillModule(d, cfg.train.feature_noise), cfg.scaling.strategy, world)
         params = [p for p in wrapped["model"].parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
 
