@@ -151,3 +151,27 @@ def test_prefetched_stream_is_the_plain_loop_batch_for_batch(prefetch, rank, epo
         for name, value in vars(b).items():
             mine = getattr(s.batch, name)
             assert (mine is None and value is None) or torch.equal(mine, value), name
+
+
+def test_a_last_state_family_reads_the_last_columns_of_a_fused_feature_cache(tiny):
+    """The data cache holds the aux layers' states, then the last state (`target_features`);
+    the autoregressive (last-state) family trains from its last H columns, as if the target
+    had been run for it, and runs no target forward per step."""
+    from draftlab.data.selfdistill import target_features
+
+    aux = [0, 1]
+    rows = _rows()
+    for r, h in zip(rows, target_features(tiny, [r["input_ids"] for r in rows], 4, aux), strict=True):
+        r["hidden"] = h  # (L, 3H) float16, as cached
+    batch = collate(rows, K, 64, False, None)
+    fresh = teacher_states(tiny, collate(_rows(), K, 64, False, None))  # (B, L, H): the target run
+    run_decoder = tiny.run_decoder
+    tiny.run_decoder = None  # any target forward now fails
+    try:
+        cached = teacher_states(tiny, batch)
+        fused = teacher_states(tiny, batch, aux)
+    finally:
+        tiny.run_decoder = run_decoder
+    assert cached.shape == fresh.shape and fused.shape[-1] == 3 * tiny.hidden_size
+    valid = torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]  # (B, L)
+    torch.testing.assert_close(cached[valid].float(), fresh[valid].float(), atol=2e-3, rtol=2e-3)
