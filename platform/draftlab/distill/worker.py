@@ -95,15 +95,13 @@ def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -
 
 def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = None) -> torch.Tensor:
     """(B, L, F) target features for `aux_layers` (`Target.features`: the states after the
-    aux layers, then the last hidden state), from the cache or from the frozen target. A
-    last-state family (no aux layers) reads the last H columns of a cache that fuses more
-    (`usable_features` keeps such caches)."""
+    aux layers, then the last hidden state), from the cache or from the frozen target. The
+    features are the cache's last F columns: all of a matching cache, the last state of a
+    fused one for a last-state family (`usable_features` keeps such caches)."""
     aux = tuple(aux_layers or ())
-    if batch.hidden is not None:
-        if batch.hidden.shape[-1] == (len(aux) + 1) * target.hidden_size:
-            return batch.hidden.to(target.dtype)
-        if not aux:
-            return batch.hidden[..., -target.hidden_size :].to(target.dtype)
+    width = (len(aux) + 1) * target.hidden_size  # F
+    if batch.hidden is not None and (not aux or batch.hidden.shape[-1] == width):
+        return batch.hidden[..., -width:].to(target.dtype)
     mask = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None] < batch.lengths[:, None]
     with torch.inference_mode():
         feats = target.run_decoder(aux, input_ids=batch.input_ids, attention_mask=mask.long())
