@@ -44,7 +44,23 @@ def test_bench_writes_contract_json(tmp_path, capsys):
     for name, m in report["methods"].items():  # CPU: row-exact attention, every output identical
         assert m["greedy_match_rate"] == 1.0 and m["greedy_token_match_rate"] == 1.0, name
     assert set(report["methods"]["ar"]["by_category"]) == {"writing", "roleplay", "reasoning"}
-    assert "draftlab_tree" in capsys.readouterr().out
+    assert report["drafter_head_coverage"]["all"] == 1.0  # an untrimmed head scores every token
+    out = capsys.readouterr().out
+    assert "draftlab_tree" in out and "drafter head scores 100.0% of the target's output tokens" in out
+
+
+def test_head_coverage_is_the_share_of_the_targets_tokens_a_trimmed_head_can_score(tiny):
+    import torch
+
+    from draftlab.bench import Run, head_coverage
+    from draftlab.models.drafters import init_drafter
+
+    trimmed = init_drafter("parallel", tiny, k=2, depth=1, vocab_size=4)
+    trimmed.set_vocab(torch.tensor([3, 5, 7, 9]))
+    runs = [("math", Run([3, 4, 5, 6], 1.0, 4)), ("chat", Run([9, 9], 1.0, 2)), ("math", Run([1], 1.0, 1))]
+    assert head_coverage(trimmed, runs) == {"all": 4 / 7, "by_category": {"math": 2 / 5, "chat": 1.0}}
+    full = init_drafter("parallel", tiny, k=2, depth=1)
+    assert head_coverage(full, runs) == {"all": 1.0, "by_category": {"math": 1.0, "chat": 1.0}}
 
 
 def test_greedy_match_rate_counts_prompts_and_tokens_before_the_first_difference():

@@ -240,6 +240,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         "tree": tree.name if tree else None,
         "tree_nodes": tree.num_nodes if tree else None,
         "drafter_parameters": drafter.num_parameters() if drafter else None,
+        "drafter_head_coverage": head_coverage(drafter, runs["ar"]) if drafter else None,
         "hf_generate_matches_ar": (
             params.greedy and "hf_generate" in runs and [r.tokens for _, r in runs["hf_generate"]] == ar_tokens
         ),
@@ -258,6 +259,25 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def head_coverage(drafter: DrafterNet, ar_runs: list[tuple[str, Run]]) -> dict:
+    """The share of the target's own output tokens (`ar`'s) that the drafter's head scores
+    at all, overall and per prompt category. A token VocabTrim dropped is a certain miss
+    wherever the target writes it, so this bounds the drafter's acceptance on these prompts
+    (1.0 for an untrimmed head)."""
+    counts: dict[str, list[int]] = {}  # category -> [tokens in the head, tokens]
+    device = drafter.target_head_weight.device
+    for cat, run in ar_runs:
+        ids = torch.tensor(run.tokens, dtype=torch.long, device=device)
+        c = counts.setdefault(cat, [0, 0])
+        c[0] += int((drafter.head_rows(ids) >= 0).sum())
+        c[1] += len(run.tokens)
+    inside, total = (sum(c[i] for c in counts.values()) for i in (0, 1))
+    return {
+        "all": inside / total if total else 1.0,
+        "by_category": {cat: a / n if n else 1.0 for cat, (a, n) in counts.items()},
+    }
 
 
 def _add_speedups(summary: dict, base: str) -> None:
@@ -404,6 +424,10 @@ def render_table(report: dict) -> str:
         ident = report["greedy_identical"] if report["greedy_checked"] else (
             "n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
         console.print(f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}")
+        if cov := report.get("drafter_head_coverage"):
+            low = min(cov["by_category"].items(), key=lambda kv: kv[1])
+            console.print(f"drafter head scores {cov['all']:.1%} of the target's output tokens "
+                          f"(lowest: {low[0]} {low[1]:.1%}); the rest are certain misses")
         if vllm:
             vident = report["vllm_greedy_identical"] if report["vllm_greedy_checked"] else "n/a"
             console.print(f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: {report['vllm_ar_matches_ar']}   "
