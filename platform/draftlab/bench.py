@@ -93,6 +93,14 @@ def _engine_runner(fn: Callable, params: SamplingParams) -> Callable[[list[int]]
     return run
 
 
+def _by_category(runs: list[tuple[str, Run]]) -> dict[str, list[Run]]:
+    """(category, run) pairs grouped by category, categories sorted."""
+    by_cat: dict[str, list[Run]] = defaultdict(list)
+    for cat, r in runs:
+        by_cat[cat].append(r)
+    return dict(sorted(by_cat.items()))
+
+
 def _summarise(runs: list[tuple[str, Run]]) -> dict:
     def agg(items: list[Run]) -> dict:
         toks = sum(len(r.tokens) for r in items)
@@ -115,12 +123,9 @@ def _summarise(runs: list[tuple[str, Run]]) -> dict:
             out["per_position_acceptance"] = [sum(a[j] for a in acc if j < len(a)) / len(acc) for j in range(width)]
         return out
 
-    by_cat: dict[str, list[Run]] = defaultdict(list)
-    for cat, r in runs:
-        by_cat[cat].append(r)
     out = agg([r for _, r in runs])
     keep = ("tokens_per_s", "tau", "per_position_acceptance")
-    out["by_category"] = {c: {k: v for k, v in agg(rs).items() if k in keep} for c, rs in sorted(by_cat.items())}
+    out["by_category"] = {c: {k: v for k, v in agg(rs).items() if k in keep} for c, rs in _by_category(runs).items()}
     if any(r.per_position_acceptance for _, r in runs):
         out["draft_s"] = sum(r.draft_s for _, r in runs)
         out["verify_s"] = sum(r.verify_s for _, r in runs)
@@ -266,18 +271,14 @@ def head_coverage(drafter: DrafterNet, ar_runs: list[tuple[str, Run]]) -> dict:
     at all, overall and per prompt category. A token VocabTrim dropped is a certain miss
     wherever the target writes it, so this bounds the drafter's acceptance on these prompts
     (1.0 for an untrimmed head)."""
-    counts: dict[str, list[int]] = {}  # category -> [tokens in the head, tokens]
     device = drafter.target_head_weight.device
-    for cat, run in ar_runs:
-        ids = torch.tensor(run.tokens, dtype=torch.long, device=device)
-        c = counts.setdefault(cat, [0, 0])
-        c[0] += int((drafter.head_rows(ids) >= 0).sum())
-        c[1] += len(run.tokens)
-    inside, total = (sum(c[i] for c in counts.values()) for i in (0, 1))
-    return {
-        "all": inside / total if total else 1.0,
-        "by_category": {cat: a / n if n else 1.0 for cat, (a, n) in counts.items()},
-    }
+
+    def share(runs: list[Run]) -> float:
+        ids = torch.tensor([t for r in runs for t in r.tokens], dtype=torch.long, device=device)
+        return int((drafter.head_rows(ids) >= 0).sum()) / ids.numel() if ids.numel() else 1.0
+
+    return {"all": share([r for _, r in ar_runs]),
+            "by_category": {c: share(rs) for c, rs in _by_category(ar_runs).items()}}
 
 
 def _add_speedups(summary: dict, base: str) -> None:
