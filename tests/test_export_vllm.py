@@ -10,6 +10,7 @@ greedy argmax can see; one vLLM engine with and one without the drafter for the 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -139,7 +140,12 @@ def test_export_cli(drafter_dir, tmp_path, capsys):
     from draftlab.cli import main
 
     assert main(["export", str(drafter_dir), str(tmp_path / "out")]) == 0
-    assert '"parallel_drafting": true' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '"parallel_drafting": true' in out and f'"num_speculative_tokens": {K}' in out  # no tree.json: its K
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    shutil.copytree(drafter_dir, tmp_path / "served")
+    (tmp_path / "served" / "tree.json").write_text(json.dumps([[0], [1], [2]]))
+    assert main(["export", str(tmp_path / "served"), str(tmp_path / "out3")]) == 0
+    assert '"num_speculative_tokens": 1' in capsys.readouterr().out  # as deep as the tree it is served with
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out2")]) == 2
     assert "not a drafter directory" in capsys.readouterr().err

@@ -132,6 +132,22 @@ def test_first_difference():
     assert _first_difference([1, 2], [1, 2, 3]) == 2
 
 
+def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_path):
+    from draftlab.bench import _vllm_plan
+    from draftlab.models.drafters.network import init_drafter
+
+    drafter = init_drafter("p-eagle", target, k=4)
+    saved = drafter.save(tmp_path / "d")
+    (saved / "tree.json").write_text(json.dumps({"paths": [[0], [1]], "ngram": {"tokens": 5}}))
+
+    def drafted(**kw) -> int:
+        cfg = BenchConfig(target=TargetSpec(name=target.name), drafter=str(saved), methods=["ar", "vllm_draftlab"], **kw)
+        return _vllm_plan(target, drafter, cfg, [], tmp_path / "work")["vllm_draftlab"]["num_speculative_tokens"]
+
+    assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
+    assert drafted(k=3) == 3  # --k wins
+
+
 def test_vllm_method_without_vllm_is_a_clear_error(target_dir, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
     rc = main(["bench", "--target", target_dir, "--methods", "vllm_ngram", "--limit", "1", "--max-new-tokens", "4"])

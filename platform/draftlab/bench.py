@@ -354,14 +354,17 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, enc
     if "vllm_draftlab" in asked:
         if drafter is None:
             raise ValueError("method vllm_draftlab needs a drafter (--drafter PATH or init:p-eagle)")
-        from draftlab.export import VLLM_FAMILIES, export_vllm, vllm_speculative_config
+        from draftlab.export import VLLM_FAMILIES, export_vllm, served_draft_length, vllm_speculative_config
 
         if drafter.family not in VLLM_FAMILIES:
             raise ValueError(f"method vllm_draftlab: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
                              f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
-        plan["vllm_draftlab"] = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), cfg.k or drafter.cfg.k)
+        k = cfg.k or drafter.cfg.k
+        if cfg.k is None and cfg.drafter and not cfg.drafter.startswith("init:"):
+            k = served_draft_length(local_copy(cfg.drafter), k)  # as deep as its tree.json drafts
+        plan["vllm_draftlab"] = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
     return plan
 
 

@@ -350,10 +350,11 @@ def _runs(a: argparse.Namespace) -> None:
 
 
 def _export(a: argparse.Namespace) -> None:
-    from draftlab.export import export_vllm, vllm_speculative_config
+    from draftlab.export import export_vllm, served_draft_length, vllm_speculative_config
+    from draftlab.storage import local_copy
 
     out = export_vllm(a.drafter, a.out)
-    k = json.loads((out / "draftlab.json").read_text())["k"]
+    k = served_draft_length(local_copy(a.drafter), json.loads((out / "draftlab.json").read_text())["k"])
     print(f"wrote {out}; vLLM: speculative_config={json.dumps(vllm_speculative_config(out, k))}")
 
 

@@ -158,7 +158,8 @@ class BenchConfig(StrictModel):
     """New tokens per prompt."""
     k: int | None = Field(None, ge=1, le=64)
     """Draft length for the chain method and `vllm_draftlab` (<= the drafter's trained K for
-    `parallel`); None = the drafter's K (4 for an `init:` drafter). Also `vllm_ngram`'s
+    `parallel`); None = the drafter's K (4 for an `init:` drafter), and for `vllm_draftlab` the
+    depth of the saved drafter's `tree.json` (at most K). Also `vllm_ngram`'s
     `num_speculative_tokens` (None = 4)."""
     depth: int = Field(1, ge=1, le=32)
     """Decoder layers of an `init:` drafter (a saved drafter keeps its own)."""

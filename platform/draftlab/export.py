@@ -1,7 +1,8 @@
 """`draftlab export DRAFTER --format vllm OUT`: a `p-eagle` drafter as vLLM loads it.
 
 vLLM 0.29+ runs it with `speculative_config={"method": "eagle3", "model": OUT,
-"num_speculative_tokens": K, "parallel_drafting": true}` (`vllm_speculative_config`).
+"num_speculative_tokens": k, "parallel_drafting": true}` (`vllm_speculative_config`); k defaults
+to the depth of the tree our engine serves the drafter with (`served_draft_length`).
 The layout is vLLM's EAGLE-3 checkpoint (`model_executor/models/llama_eagle3.py`):
 
     config.json        LlamaForCausalLMEagle3: the decoder's sizes, target vocab and hidden
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftlab.config import TargetSpec
+from draftlab.decoding.tree import load_tree
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
@@ -117,6 +119,16 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, target: Target | N
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def served_draft_length(drafter_dir: str | Path, k: int) -> int:
+    """vLLM's default `num_speculative_tokens` for a drafter trained for K=k: the depth of the
+    tree our engine serves it with (`tree.json`, chosen from its held-out acceptance and the
+    measured verify costs), at most k; k when it has none. vLLM drafts and verifies every
+    position up to `num_speculative_tokens`, so positions that tree search left out (a deep
+    slot accepted a few times in a hundred) would cost a verified row each for nothing."""
+    saved = Path(drafter_dir) / "tree.json"
+    return min(k, load_tree(str(saved)).depth) if saved.is_file() else k
 
 
 def vllm_speculative_config(export_dir: str | Path, k: int) -> dict:

@@ -53,6 +53,17 @@ def test_the_champion_is_exported_for_vllm(target, tmp_path):
         == (vllm_target_dir(TARGET), None, {"speculation": "off"})
 
 
+def test_vllm_drafts_as_deep_as_the_tree_the_drafter_is_served_with(target, tmp_path):
+    saved = init_drafter("p-eagle", target, k=4).save(tmp_path / "d")
+    args = VllmServeArgs(target={"name": TARGET}, export_dir=str(tmp_path / "export"))
+    assert vllm_drafter(str(saved), args.target, args)[1] == 4  # no tree.json: its K
+    (saved / "tree.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]], "ngram": {"tokens": 5}}))
+    assert vllm_drafter(str(saved), args.target, args)[1] == 2  # the tree's depth (lookups are ours only)
+    (saved / "tree.json").write_text(json.dumps([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]))
+    assert vllm_drafter(str(saved), args.target, args)[1] == 4  # never deeper than K
+    assert vllm_drafter(str(saved), args.target, args.model_copy(update={"num_speculative_tokens": 3}))[1] == 3
+
+
 @pytest.mark.parametrize("args,msg", [
     ({"speculation": "auto"}, "speculation"),
     ({"engine_kwargs": {"speculative_config": {}}}, "through `speculation`"),

@@ -63,7 +63,8 @@ class VllmServeArgs(ServingCommon):
     """`on`: P-EAGLE drafting (`parallel_drafting`) every step; `off`: target only (no drafter,
     no MLflow lookup). vLLM has no per-request or load-dependent switch (`--engine draftlab` has)."""
     num_speculative_tokens: int | None = Field(None, ge=1, le=16)
-    """Draft tokens per step (K); None = the drafter's `k`."""
+    """Draft tokens per step; None = the depth of the drafter's `tree.json` (the tree our engine
+    serves it with, picked from measured acceptance and costs), else its `k`."""
     export_dir: str | None = None
     """Where each replica writes the drafter in vLLM's layout; None = a new temporary directory."""
     accelerator: Literal["cpu", "gpu"] = "cpu"
@@ -137,7 +138,7 @@ def _vllm_layout(path: Path) -> bool:
 def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int]:
     """(a directory in vLLM's EAGLE-3 layout, its K) for a drafter: a saved `p-eagle` drafter
     (exported), an export or other EAGLE-3 checkpoint (as it is), or `init:<family>`."""
-    from draftlab.export import export_vllm
+    from draftlab.export import export_vllm, served_draft_length
 
     path = Path(drafter)
     if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
@@ -151,7 +152,7 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
         if args.num_speculative_tokens is None:
             raise ConfigError(f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens")
         return str(path), args.num_speculative_tokens
-    k = args.num_speculative_tokens or json.loads((path / "config.json").read_text())["k"]
+    k = args.num_speculative_tokens or served_draft_length(path, json.loads((path / "config.json").read_text())["k"])
     return str(export_vllm(path, _export_dir(args))), k  # loads the drafter's target: its head rows are copied
 
 
