@@ -354,7 +354,12 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, enc
     if "vllm_draftlab" in asked:
         if drafter is None:
             raise ValueError("method vllm_draftlab needs a drafter (--drafter PATH or init:p-eagle)")
-        from draftlab.export import VLLM_FAMILIES, export_vllm, served_draft_length, vllm_speculative_config
+        from draftlab.export import (
+            VLLM_FAMILIES,
+            export_vllm,
+            served_draft_length,
+            vllm_speculative_config,
+        )
 
         if drafter.family not in VLLM_FAMILIES:
             raise ValueError(f"method vllm_draftlab: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
