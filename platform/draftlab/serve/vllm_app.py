@@ -136,8 +136,9 @@ def _vllm_layout(path: Path) -> bool:
 
 
 def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int]:
-    """(a directory in vLLM's EAGLE-3 layout, its K) for a drafter: a saved `p-eagle` drafter
-    (exported), an export or other EAGLE-3 checkpoint (as it is), or `init:<family>`."""
+    """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step) for a drafter: a saved
+    `p-eagle` drafter (exported), an export or other EAGLE-3 checkpoint (as it is), or
+    `init:<family>`."""
     from draftlab.export import export_vllm, served_draft_length
 
     path = Path(drafter)
