@@ -68,6 +68,17 @@ def test_distill_config_errors_name_fields(tmp_path):
     assert "scaling.placement_strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'" in msg
 
 
+def test_the_chain_of_the_final_bench_fits_the_drafter(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("drafter: {family: p-eagle, k: 2}\nbench: {chain_depth: 3}\n")
+    with pytest.raises(ConfigError, match=r"bench.chain_depth=3 must lie in 1..drafter.k=2"):
+        load_yaml(DistillConfig, f)
+    f.write_text("drafter: {family: p-eagle, k: 2}\nbench: {chain_depth: spine}\n")
+    with pytest.raises(ConfigError, match=r"bench.chain_depth"):
+        load_yaml(DistillConfig, f)
+    assert load_yaml(DistillConfig, f, {"bench.chain_depth": "tree"}).bench.chain_depth == "tree"
+
+
 def _literal_fields(model, prefix=""):
     """(dotted field, allowed values) of every Literal field, nested sections included."""
     from typing import Literal, get_args, get_origin

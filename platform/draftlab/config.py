@@ -543,6 +543,11 @@ class BenchSpec(StrictModel):
     """`searched`: cached context length at which verify and drafting costs are timed."""
     methods: list[str] = Field(default_factory=lambda: ["ar", "draftlab_chain", "draftlab_tree"])
     """Bench methods to run."""
+    chain_depth: Literal["k", "tree"] | int = "k"
+    """Draft length of the chain methods (`draftlab_chain`, `draftlab_chain_ngram`): `k` = the
+    drafter's K; `tree` = the depth of the tree method's tree, i.e. its top-1 spine, which
+    drafts as deep with fewer verified rows (what vLLM serves the drafter with, see
+    `export.served_draft_length`); or a number <= K. The faster method's tree is saved."""
 
 
 class DistillConfig(StrictModel):
@@ -568,6 +573,13 @@ class DistillConfig(StrictModel):
     """Ray Train storage (local dir, NFS, or s3://...). Shared storage for multi-node."""
     output_dir: str | None = None
     """Where the final drafter is written; None = `<storage_path>/<name>/drafter`."""
+
+    @model_validator(mode="after")
+    def _chain_within_k(self) -> DistillConfig:
+        depth = self.bench.chain_depth
+        if isinstance(depth, int) and not 1 <= depth <= self.drafter.k:
+            raise ValueError(f"bench.chain_depth={depth} must lie in 1..drafter.k={self.drafter.k}")
+        return self
 
     @model_validator(mode="after")
     def _cache_what_the_drafter_fuses(self) -> DistillConfig:

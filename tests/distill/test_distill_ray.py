@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from distill_support import tiny_config
-from draftlab.config import DrafterSpec, ScalingSpec, TrainConfig
+from draftlab.config import BenchSpec, DrafterSpec, ScalingSpec, TrainConfig
 from draftlab.decoding.tree import load_tree
 from draftlab.distill.trainer import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
@@ -52,6 +52,7 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
         tmp_module, "ddp2", mlflow_uri,
         drafter=DrafterSpec(family="p-eagle", k=3, depth=1),
         scaling=ScalingSpec(num_workers=2, cpus_per_worker=1, placement_strategy="STRICT_SPREAD"),
+        bench=BenchSpec(limit=2, max_new_tokens=12, chain_depth="tree"),
     )
     assert cfg.data.aux_layers == "eagle3"  # the data cache keeps what the family fuses
     summary = run_distill(cfg, progress=False)
@@ -73,9 +74,12 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     served = load_tree(str(Path(summary["drafter_dir"]) / "tree.json"))
     bench = summary["bench"]["methods"]
     assert summary["best_method"] == max((m for m in bench if m != "ar"), key=lambda m: bench[m]["speedup_vs_ar"])
-    assert served.ngram is None and summary["tree"] in ("chain-3", "searched")
+    search = json.loads((Path(summary["drafter_dir"]) / "tree-search.json").read_text())
+    depth = next(c["depth"] for c in search["candidates"] if c["tree"] == search["chosen"])
+    assert summary["bench"]["k"] == depth  # chain_depth=tree: the chain drafts as deep as the searched tree
+    assert served.ngram is None and summary["tree"] in (f"chain-{depth}", "searched")
     if summary["best_method"] == "draftlab_chain":
-        assert served.paths == ((0,), (0, 0), (0, 0, 0))
+        assert served.paths == tuple((0,) * d for d in range(1, depth + 1))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
     assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json", "drafter/tree-search.json",
                          "drafter/training.json"}

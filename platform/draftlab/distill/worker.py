@@ -435,16 +435,19 @@ def train_fn_per_worker(config: dict) -> dict:
         from draftlab.distill.tree_select import choose_tree, save_tree  # imports this module
 
         tree_file = choose_tree(cfg, served, target, evalset, out_dir)
+        verify_tree = load_tree(str(tree_file))
+        depth = cfg.bench.chain_depth  # the chain methods' draft length
+        chain_k = cfg.drafter.k if depth == "k" else verify_tree.depth if depth == "tree" else depth
         bcfg = BenchConfig(
             target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
-            max_new_tokens=cfg.bench.max_new_tokens, k=cfg.drafter.k, tree=str(tree_file), methods=cfg.bench.methods,
+            max_new_tokens=cfg.bench.max_new_tokens, k=chain_k, tree=str(tree_file), methods=cfg.bench.methods,
         )
         report_ = bench_loaded(target, served, bcfg, progress=False)
         summary["bench"] = report_
         best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
         # the measured winner is what the drafter is served with: its tree.json
-        chosen = Tree.chain(cfg.drafter.k) if best.startswith("draftlab_chain") else Tree.from_paths(
-            [list(p) for p in load_tree(str(tree_file)).paths], split_ngram(cfg.bench.tree)[0])
+        chosen = Tree.chain(chain_k) if best.startswith("draftlab_chain") else Tree.from_paths(
+            [list(p) for p in verify_tree.paths], split_ngram(cfg.bench.tree)[0])
         chosen = chosen.with_ngram(bcfg.ngram) if best.endswith("_ngram") else chosen
         save_tree(chosen, None, out_dir)
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
