@@ -366,9 +366,8 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, enc
                              f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
-        k = cfg.k or drafter.cfg.k
-        if cfg.k is None and cfg.drafter and not cfg.drafter.startswith("init:"):
-            k = served_draft_length(local_copy(cfg.drafter), k)  # as deep as its tree.json drafts
+        source = None if not cfg.drafter or cfg.drafter.startswith("init:") else local_copy(cfg.drafter)
+        k = cfg.k or (served_draft_length(source) if source else drafter.cfg.k)  # as deep as its tree.json drafts
         plan["vllm_draftlab"] = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
     return plan
 

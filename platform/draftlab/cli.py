@@ -354,7 +354,7 @@ def _export(a: argparse.Namespace) -> None:
     from draftlab.storage import local_copy
 
     out = export_vllm(a.drafter, a.out)
-    k = served_draft_length(local_copy(a.drafter), json.loads((out / "draftlab.json").read_text())["k"])
+    k = served_draft_length(local_copy(a.drafter))
     print(f"wrote {out}; vLLM: speculative_config={json.dumps(vllm_speculative_config(out, k))}")
 
 

@@ -121,13 +121,15 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, target: Target | N
     return out_dir
 
 
-def served_draft_length(drafter_dir: str | Path, k: int) -> int:
-    """vLLM's default `num_speculative_tokens` for a drafter trained for K=k: the depth of the
-    tree our engine serves it with (`tree.json`, chosen from its held-out acceptance and the
-    measured verify costs), at most k; k when it has none. vLLM drafts and verifies every
+def served_draft_length(drafter_dir: str | Path) -> int:
+    """vLLM's default `num_speculative_tokens` for a saved drafter: the depth of the tree our
+    engine serves it with (`tree.json`, chosen from its held-out acceptance and the measured
+    verify costs), at most its trained K; K when it has none. vLLM drafts and verifies every
     position up to `num_speculative_tokens`, so positions that tree search left out (a deep
     slot accepted a few times in a hundred) would cost a verified row each for nothing."""
-    saved = Path(drafter_dir) / "tree.json"
+    drafter_dir = Path(drafter_dir)
+    k = json.loads((drafter_dir / "config.json").read_text())["k"]
+    saved = drafter_dir / "tree.json"
     return min(k, load_tree(str(saved)).depth) if saved.is_file() else k
 
 

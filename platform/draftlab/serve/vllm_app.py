@@ -153,7 +153,7 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
         if args.num_speculative_tokens is None:
             raise ConfigError(f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens")
         return str(path), args.num_speculative_tokens
-    k = args.num_speculative_tokens or served_draft_length(path, json.loads((path / "config.json").read_text())["k"])
+    k = args.num_speculative_tokens or served_draft_length(path)
     return str(export_vllm(path, _export_dir(args))), k  # loads the drafter's target: its head rows are copied
 
 
