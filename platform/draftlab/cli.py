@@ -205,7 +205,8 @@ def _select_tree(a: argparse.Namespace) -> None:
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     report = choose_tree_for_run(cfg, a.drafter)
     for c in report["candidates"]:
-        print(f"{c['nodes']:3d} nodes, depth {c['depth']}: expected tau {c['expected_tau']:.3f}, "
+        lookups = f", lookups in {c['lookup_rounds']:.0%} of rounds" if report.get("ngram") else ""
+        print(f"{c['nodes']:3d} nodes, depth {c['depth']}: replayed tau {c['tau']:.3f}{lookups}, "
               f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
     print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
 

@@ -534,7 +534,8 @@ class BenchSpec(StrictModel):
     with the best predicted speedup, from this drafter's held-out rank acceptance and this
     hardware's measured verify and drafting costs (see distill/tree_select.py); or a preset
     name, `chain-<k>`, or a JSON file of rank paths. A `+ngram` suffix (`searched+ngram`)
-    grafts prompt-lookup drafts onto it each round (decoding/ngram.py)."""
+    grafts prompt-lookup drafts onto it each round (decoding/ngram.py); `searched+ngram`
+    scores every candidate with those lookups (distill/replay.py)."""
     search_budgets: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16], min_length=1)
     """`searched`: node budgets whose optimal trees are compared."""
     search_ranks: int = Field(4, ge=1, le=16)

@@ -25,10 +25,23 @@ def test_picks_the_best_predicted_speedup_and_saves_it(tiny, tmp_path):
     for c in table:  # every candidate is the budget optimum, scored by its own measured costs
         assert [list(p) for p in best_tree(report["acceptance"], c["nodes"]).paths] == c["paths"]
         assert c["verify_ms"] > 0 and c["draft_ms"] > 0
-        assert abs(c["predicted_speedup"] - c["expected_tau"] * report["decode_ms"] / (c["verify_ms"] + c["draft_ms"])) < 1e-9
+        # without lookups every replayed round costs the same: tau x t_decode / round cost
+        assert abs(c["predicted_speedup"] - c["tau"] * report["decode_ms"] / (c["verify_ms"] + c["draft_ms"])) < 1e-9
+        assert c["lookup_rounds"] == 0.0 and c["graft_row_ms"] == 0.0
     save_tree(tree, report, tmp_path)
     assert load_tree(str(tmp_path / "tree.json")).paths == tree.paths
     assert json.loads((tmp_path / "tree-search.json").read_text())["chosen"] == tree.name
+
+
+def test_searching_with_lookups_scores_and_saves_them(tiny):
+    from draftlab.config import NgramSpec
+
+    spec = NgramSpec(tokens=3, min_match=1, max_match=1)  # random text repeats single tokens
+    drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
+    tree, report = select_tree(drafter, tiny, _rows(tiny), k=3, budgets=[1, 3], max_ranks=2, context=32, repeats=2, ngram=spec)
+    assert tree.ngram == spec and report["ngram"] == spec.model_dump()
+    assert max(report["candidates"], key=lambda c: c["predicted_speedup"])["paths"] == [list(p) for p in tree.paths]
+    assert all(0.0 < c["lookup_rounds"] <= 1.0 and c["graft_row_ms"] >= 0.0 for c in report["candidates"])
 
 
 def test_autoregressive_depths_beyond_training_are_extrapolated(tiny):

@@ -51,19 +51,19 @@ def conditional_rates(table: torch.Tensor, max_ranks: int) -> tuple[torch.Tensor
 
 
 @torch.no_grad()
-def rank_acceptance(
+def rank_tables(
     drafter: DrafterNet,
     target: Target,
     rows: list[dict],  # held-out samples: input_ids, prompt_len (and optionally hidden)
     k: int,
-    max_ranks: int = 4,
     max_seq_len: int = 512,
     batch_size: int = 8,
-) -> list[list[float]]:
-    """(k, max_ranks) conditional acceptance rates acc[d][r] (see the module docstring)."""
+) -> list[torch.Tensor]:
+    """Per row, (L-1, k) target ranks: [a, d] = the rank of the target's greedy token among
+    the drafter's logits at node (anchor a, depth d), i.e. for x_{a+d+2} after committing
+    x_0..x_{a+1}; -1 where no node carries loss (prompt labels, past the end)."""
     module = DistillModule(drafter).eval()
-    hits = torch.zeros(k, max_ranks, dtype=torch.long)
-    reach = torch.zeros(k, dtype=torch.long)
+    tables = []
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i : i + batch_size], k, max_seq_len, False, None).to(target.device)
         hidden = teacher_states(target, batch, drafter.cfg.aux_layers)  # (B, L, F)
@@ -75,7 +75,20 @@ def rank_acceptance(
         anchor, depth = batch.node_anchor[sel].cpu(), batch.depth[sel].cpu()
         table = torch.full((sel.shape[0], batch.input_ids.shape[1], k), -1, dtype=torch.long)  # (B, L, k)
         table[b_idx, anchor, depth] = rank
-        h, r = conditional_rates(table.reshape(-1, k), max_ranks)
-        hits += h
-        reach += r
+        tables += [table[b, : int(n) - 1] for b, n in enumerate(batch.lengths.cpu())]
+    return tables
+
+
+def acceptance_rates(tables: list[torch.Tensor], max_ranks: int) -> list[list[float]]:
+    """(k, max_ranks) conditional acceptance rates acc[d][r] (see the module docstring) of
+    `rank_tables`' output."""
+    k = tables[0].shape[1] if tables else 1
+    hits, reach = conditional_rates(torch.cat(tables) if tables else torch.zeros(0, k, dtype=torch.long), max_ranks)
     return [[float(hits[d, r]) / int(reach[d]) if reach[d] else 0.0 for r in range(max_ranks)] for d in range(k)]
+
+
+def rank_acceptance(
+    drafter: DrafterNet, target: Target, rows: list[dict], k: int, max_ranks: int = 4, **kw
+) -> list[list[float]]:
+    """(k, max_ranks) conditional acceptance rates acc[d][r] on held-out `rows`."""
+    return acceptance_rates(rank_tables(drafter, target, rows, k, **kw), max_ranks)

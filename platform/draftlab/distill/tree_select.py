@@ -1,11 +1,12 @@
 """Pick the verification tree of a trained drafter by predicted speedup on this hardware.
 
 From the drafter's held-out conditional rank acceptance (`ranks.rank_acceptance`), the
-best tree for each node budget (`tree_search.best_tree`) has an expected tau; the target's
-measured verify time for that tree, plus the drafter's measured drafting time for its
-depth, turn tau into a predicted speedup over a decoding step:
+best tree for each node budget (`tree_search.best_tree`) is a candidate. Each candidate
+then replays the held-out responses round by round (`replay.py`), with the prompt lookups
+it will be served with when the spec says `+ngram`, paying the target's measured verify
+time for its rows and the drafter's measured drafting time for its depth:
 
-    speedup(tree) = tau(tree) * t_decode / (t_verify(tree) + t_draft(depth(tree)))
+    speedup(tree) = tokens * t_decode / sum over rounds (t_verify(round) + t_draft(depth))
 
 The best-scoring tree is saved next to the drafter as `tree.json`; the whole table (rates,
 costs, candidates) as `tree-search.json`. A drafter directory may be a URI (s3://...): it is
@@ -17,10 +18,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftlab.config import DistillConfig
+from draftlab.config import DistillConfig, NgramSpec
+from draftlab.decoding.ngram import graft
 from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.decoding.tree_search import best_tree, expected_accepted, searched_budget
-from draftlab.distill.ranks import rank_acceptance
+from draftlab.distill.ranks import acceptance_rates, rank_tables
+from draftlab.distill.replay import RoundCost, extrapolate, replay
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
 from draftlab.profiling import draft_ms, verify_ms
@@ -37,37 +40,48 @@ def select_tree(
     context: int,
     depth: int | None = None,
     repeats: int = 15,
+    ngram: NgramSpec | None = None,
 ) -> tuple[Tree, dict]:
     """The tree with the best predicted speedup among the budget optima, and the report.
 
     `k` depths are measured (the training groups); trees may go `depth` deep. An
     autoregressive drafter trains one group, so its deeper rates repeat the last measured
-    depth (flagged in the report as `extrapolated_depths`): an optimistic guess, as its
-    acceptance usually decays a little with depth.
+    depth (flagged in the report as `extrapolated_depths`) and the replay draws its ranks
+    there from those rates: an optimistic guess, as its acceptance usually decays a little
+    with depth. With `ngram`, every candidate is scored with grafted prompt lookups and the
+    chosen tree carries them.
     """
-    acc, extrapolated = acceptance_to_depth(drafter, target, rows, k, max_ranks, depth)
+    tables = rank_tables(drafter, target, rows, k)
+    acc, extrapolated = _to_depth(acceptance_rates(tables, max_ranks), depth or k)
+    tables = extrapolate(tables, acc)
     trees: dict[tuple, Tree] = {}
     for n in sorted(set(budgets)):
         tree = best_tree(acc, n)
         trees.setdefault(tree.paths, tree)  # budgets past the useful paths give the same tree
     candidates = list(trees.values())
-    decode, *verify = verify_ms(target, [None, *candidates], context, repeats)
+    grafted = [_with_branch(t, ngram.tokens) for t in candidates] if ngram else []
+    decode, *verify = verify_ms(target, [None, *candidates, *grafted], context, repeats)
+    plain, with_branch = verify[: len(candidates)], verify[len(candidates) :] or verify
     drafting = {
         d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})
     }
     table = []
-    for tree, v in zip(candidates, verify, strict=True):
-        tau = 1.0 + expected_accepted(tree, acc)
+    for tree, v, vb in zip(candidates, plain, with_branch, strict=True):
+        row_ms = max(0.0, vb - v) / ngram.tokens if ngram else 0.0
+        run = replay(tables, rows, tree, RoundCost(drafting[tree.depth], v, row_ms), ngram)
         table.append(
             {
                 "tree": tree.name,
                 "nodes": tree.num_nodes,
                 "depth": tree.depth,
                 "paths": [list(p) for p in tree.paths],
-                "expected_tau": tau,
+                "expected_tau": 1.0 + expected_accepted(tree, acc),  # the positional model's
+                "tau": run.tau,  # replayed, with the lookups when `ngram`
+                "lookup_rounds": run.lookup_rounds / run.rounds if run.rounds else 0.0,
                 "verify_ms": v,
+                "graft_row_ms": row_ms,
                 "draft_ms": drafting[tree.depth],
-                "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
+                "predicted_speedup": run.speedup(decode),
             }
         )
     best = max(range(len(table)), key=lambda i: table[i]["predicted_speedup"])
@@ -76,19 +90,23 @@ def select_tree(
         "extrapolated_depths": extrapolated,
         "context": context,
         "decode_ms": decode,
+        "ngram": ngram.model_dump() if ngram else None,
         "candidates": table,
         "chosen": table[best]["tree"],
     }
-    return candidates[best], report
+    chosen = candidates[best]
+    return (chosen.with_ngram(ngram) if ngram else chosen), report
 
 
-def acceptance_to_depth(
-    drafter: DrafterNet, target: Target, rows: list[dict], k: int, max_ranks: int, depth: int | None
-) -> tuple[list[list[float]], int]:
-    """Held-out rank acceptance per depth (`k` measured, repeated down to `depth`), and how
-    many depths were extrapolated."""
-    acc = rank_acceptance(drafter, target, rows, k, max_ranks=max_ranks)
-    extrapolated = max(0, (depth or k) - len(acc))
+def _with_branch(tree: Tree, tokens: int):
+    """`tree` with a `tokens`-long lookup branch that shares no node: a round's worst case."""
+    nodes = [0] * (tree.num_nodes + 1)
+    return graft(tree, nodes, [1] * tokens)[0]
+
+
+def _to_depth(acc: list[list[float]], depth: int) -> tuple[list[list[float]], int]:
+    """`acc` with its last measured depth repeated down to `depth`, and how many were added."""
+    extrapolated = max(0, depth - len(acc))
     return acc + [list(acc[-1])] * extrapolated, extrapolated
 
 
@@ -101,9 +119,8 @@ def save_acceptance(
     from draftlab.distill.worker import group_count
 
     rows = [evalset[i] for i in range(len(evalset))]
-    acc, extrapolated = acceptance_to_depth(
-        drafter, target, rows, group_count(cfg), cfg.bench.search_ranks, cfg.drafter.k
-    )
+    tables = rank_tables(drafter, target, rows, group_count(cfg))
+    acc, extrapolated = _to_depth(acceptance_rates(tables, cfg.bench.search_ranks), cfg.drafter.k)
     path = Path(out_dir) / "tree-search.json"
     path.write_text(
         json.dumps({"acceptance": acc, "extrapolated_depths": extrapolated}, indent=2) + "\n"
@@ -116,15 +133,16 @@ def choose_tree(
 ) -> Path:
     """The tree of `cfg.bench.tree` for this drafter, saved into `out_dir` as `tree.json`."""
     spec, ngram = split_ngram(cfg.bench.tree)
-    if spec == "searched":
-        tree, report = _search(cfg, drafter, target, evalset)
-    else:  # a given tree may be deeper than this drafter's k: keep its first k levels
-        tree, report = load_tree(spec).truncated(cfg.drafter.k), None
-    return save_tree(tree.with_ngram() if ngram else tree, report, out_dir)
+    if spec == "searched":  # `searched+ngram`: scored with the lookups, saved with them
+        return search_and_save(cfg, drafter, target, evalset, out_dir)
+    # a given tree may be deeper than this drafter's k: keep its first k levels
+    tree = load_tree(spec).truncated(cfg.drafter.k)
+    return save_tree(tree.with_ngram() if ngram else tree, None, out_dir)
 
 
 def _search(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset) -> tuple[Tree, dict]:
-    """`select_tree` on the held-out split with the `cfg.bench.search_*` settings."""
+    """`select_tree` on the held-out split with the `cfg.bench.search_*` settings, scoring
+    the prompt lookups too when `cfg.bench.tree` ends in `+ngram`."""
     from draftlab.distill.worker import group_count
 
     b = cfg.bench
@@ -138,6 +156,7 @@ def _search(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset) ->
         b.search_ranks,
         b.search_context,
         depth=cfg.drafter.k,
+        ngram=NgramSpec() if split_ngram(cfg.bench.tree)[1] else None,
     )
 
 

@@ -446,9 +446,11 @@ def train_fn_per_worker(config: dict) -> dict:
         summary["bench"] = report_
         best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
         # the measured winner is what the drafter is served with: its tree.json
-        chosen = Tree.chain(chain_k) if best.startswith("draftlab_chain") else Tree.from_paths(
+        chain = best.startswith("draftlab_chain")
+        chosen = Tree.chain(chain_k) if chain else Tree.from_paths(
             [list(p) for p in verify_tree.paths], split_ngram(cfg.bench.tree)[0])
-        chosen = chosen.with_ngram(bcfg.ngram) if best.endswith("_ngram") else chosen
+        if best.endswith("_ngram") or (not chain and verify_tree.ngram):  # `searched+ngram` grafts in both
+            chosen = chosen.with_ngram(verify_tree.ngram or bcfg.ngram)
         save_tree(chosen, None, out_dir)
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
                     "best_method": best, "tree": chosen.name, "greedy_identical": report_["greedy_identical"]}
