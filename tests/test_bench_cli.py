@@ -242,3 +242,28 @@ def test_packaged_prompt_sets_by_name():
     assert max(len(p.text) for p in held if p.category in ("summarization", "rag")) > 2800  # long contexts
     chats = [p for p in held if p.category == "chat"]
     assert all(len(p.messages) >= 3 and p.messages[-1]["role"] == "user" for p in chats)
+
+
+def test_bench_grafts_drafts_from_the_drafters_lookup_store(tmp_path, tiny):
+    """A store of the target's own answer beside the drafter: `*_ngram` methods draft from it
+    where the text has no match (more accepted tokens, the same text); 0 store tokens = off."""
+    from draftlab.config import NgramSpec, SamplingParams
+    from draftlab.data.prompts import load_prompts
+    from draftlab.decoding.engine import autoregressive_generate
+    from draftlab.decoding.ngram import STORE_FILE, NgramStore
+    from draftlab.models.drafters import init_drafter
+
+    saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
+    prompt = load_prompts(None, 1)[0]
+    answer = autoregressive_generate(tiny, tiny.encode_prompt(prompt.messages), SamplingParams(max_new_tokens=24)).tokens
+    NgramStore.build([answer], NgramSpec()).save(saved / STORE_FILE)
+    tau = {}
+    for n in ("0", "3"):
+        out = tmp_path / f"b{n}.json"
+        rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--max-new-tokens", "24",
+                   "--k", "1", "--methods", "draftlab_chain_ngram", "--ngram-store-tokens", n, "--json", str(out)])
+        assert rc == 0
+        report = json.loads(out.read_text())
+        assert report["greedy_identical"]
+        tau[n] = report["methods"]["draftlab_chain_ngram"]["tau"]
+    assert tau["3"] > tau["0"] + 0.5

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import Tree, load_tree
 from draftlab.decoding.tree_search import searched_budget
 from draftlab.hardware import describe_device, sync
@@ -137,7 +138,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_target(cfg.target)
     drafter = None
     if cfg.drafter is not None and any(m.startswith("draftlab_") or m == "vllm_draftlab" for m in cfg.methods):
-        saved = None if cfg.drafter.startswith("init:") else local_copy(cfg.drafter)  # s3://...: its mirror
+        saved = _drafter_dir(cfg)
         if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
             cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
         budget = searched_budget(cfg.tree)
@@ -151,6 +152,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         depth_needed = load_tree(cfg.tree or "default").depth if set(TREE_METHODS) & set(cfg.methods) else k
         drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)
     return bench_loaded(target, drafter, cfg, progress)
+
+
+def _drafter_dir(cfg: BenchConfig) -> Path | None:
+    """The saved drafter's local directory (an s3://... drafter's mirror); None for `init:`."""
+    return None if not cfg.drafter or cfg.drafter.startswith("init:") else local_copy(cfg.drafter)
 
 
 def bench_loaded(
@@ -189,12 +195,17 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         k = cfg.k or drafter.cfg.k
         if set(TREE_METHODS) & set(methods):
             tree = load_tree(cfg.tree or "default")
+        store = NgramStore.beside(_drafter_dir(cfg))  # lookups where the text has no match
+
+        def decoder(verified: Tree) -> Callable[[list[int]], Run]:
+            return _engine_runner(SpeculativeDecoder(target, drafter, verified, store).generate, params)
+
         for m, shape in (("draftlab_chain", Tree.chain(k)), ("draftlab_tree", tree)):
             for name, verified in ((m, shape), (f"{m}_ngram", shape and shape.with_ngram(cfg.ngram))):
                 if name in methods:
-                    runners[name] = _engine_runner(SpeculativeDecoder(target, drafter, verified).generate, params)
+                    runners[name] = decoder(verified)
         for name, named in trees.items():
-            runners[f"draftlab_tree:{name}"] = _engine_runner(SpeculativeDecoder(target, drafter, named).generate, params)
+            runners[f"draftlab_tree:{name}"] = decoder(named)
 
     for _, ids in encoded[: cfg.warmup]:  # untimed: first-call allocations, lazy inits
         for m in methods:
@@ -366,7 +377,7 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, enc
                              f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
-        source = None if not cfg.drafter or cfg.drafter.startswith("init:") else local_copy(cfg.drafter)
+        source = _drafter_dir(cfg)
         k = cfg.k or (served_draft_length(source) if source else drafter.cfg.k)  # as deep as its tree.json drafts
         plan["vllm_draftlab"] = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
     return plan

@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
     b.add_argument("--ngram-min", type=int, default=NgramSpec().min_match, help="*_ngram: shortest suffix n-gram matched")
     b.add_argument("--ngram-max", type=int, default=NgramSpec().max_match, help="*_ngram: longest suffix n-gram matched")
+    b.add_argument("--ngram-store-tokens", type=int, default=NgramSpec().store_tokens,
+                   help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
@@ -205,8 +207,10 @@ def _select_tree(a: argparse.Namespace) -> None:
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     report = choose_tree_for_run(cfg, a.drafter)
     for c in report["candidates"]:
-        lookups = f", lookups in {c['lookup_rounds']:.0%} of rounds" if report.get("ngram") else ""
-        print(f"{c['nodes']:3d} nodes, depth {c['depth']}: replayed tau {c['tau']:.3f}{lookups}, "
+        ngram = c.get("ngram")
+        lookups = "" if not ngram else (f" +lookups ({ngram['store_tokens']} from the store) in "
+                                         f"{c['lookup_rounds']:.0%} of rounds")
+        print(f"{c['nodes']:3d} nodes, depth {c['depth']}{lookups}: replayed tau {c['tau']:.3f}, "
               f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
     print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
 
@@ -366,7 +370,7 @@ def _bench(a: argparse.Namespace) -> None:
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
         k=a.k, depth=a.depth, tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         warmup=a.warmup, methods=[m.strip() for m in a.methods.split(",") if m.strip()], json_out=a.json_out,
-        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max),
+        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens),
     )
     report = run_bench(cfg)
     print(render_table(report))

@@ -108,6 +108,11 @@ class NgramSpec(StrictModel):
     """Shortest suffix n-gram that counts as a match."""
     max_match: int = Field(4, ge=1, le=16)
     """Longest suffix n-gram tried first (a longer match is a likelier copy)."""
+    store_tokens: int = Field(3, ge=0, le=64)
+    """Where the text has no match, graft up to this many tokens from the drafter's
+    `lookup-store` (the target's responses to the training prompts; `decoding/ngram.py`),
+    if it has one; 0 = never. Shorter than `tokens`: a store match is a weaker guess than
+    a copy from the text, and every grafted row costs verify time."""
 
     @model_validator(mode="after")
     def _match_range(self) -> NgramSpec:

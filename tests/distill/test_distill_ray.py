@@ -18,6 +18,7 @@ from ray.cluster_utils import Cluster
 
 from distill_support import tiny_config
 from draftlab.config import BenchSpec, DrafterSpec, ScalingSpec, TrainConfig
+from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import load_tree
 from draftlab.distill.trainer import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
@@ -82,7 +83,9 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
         assert served.paths == tuple((0,) * d for d in range(1, depth + 1))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}
     assert artifacts == {"drafter/config.json", "drafter/model.safetensors", "drafter/tree.json", "drafter/tree-search.json",
-                         "drafter/training.json"}
+                         "drafter/training.json", "drafter/lookup-store.safetensors"}
+    store = NgramStore.beside(summary["drafter_dir"])  # the target's responses to the training prompts
+    assert store is not None and len(store.table) > 100
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "training.json", "drafter"}
     curve = json.loads((Path(summary["drafter_dir"]) / "training.json").read_text())
     assert [e["step"] for e in curve["evaluations"]][-1] == summary["steps"] and curve["verify_chain_ms"] > 0

@@ -5,6 +5,7 @@ import torch
 
 from draftlab.config import NgramSpec, SamplingParams, TargetSpec, TrainConfig
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import Tree
 from draftlab.distill.batching import collate
 from draftlab.distill.objective import DistillModule, loss_and_backward
@@ -39,19 +40,23 @@ def texts(tiny_prompts):
     return tiny, drafter.eval(), rows
 
 
-@pytest.mark.parametrize("ngram", [None, LOOKUP], ids=["tree", "tree+lookup"])
+@pytest.mark.parametrize(
+    "ngram, with_store", [(None, False), (LOOKUP, False), (LOOKUP, True)], ids=["tree", "tree+lookup", "tree+lookup+store"]
+)
 @pytest.mark.parametrize("paths", [[[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [0, 0], [1, 0]]], ids=str)
-def test_replay_runs_the_rounds_the_engine_runs(tiny_prompts, texts, paths, ngram):
+def test_replay_runs_the_rounds_the_engine_runs(tiny_prompts, texts, paths, ngram, with_store):
     tiny, drafter, rows = texts
     tree = Tree.from_paths(paths)
     served = tree.with_ngram(ngram) if ngram else tree
-    dec = SpeculativeDecoder(tiny, drafter, served)
+    # a store of other text than the replayed: its drafts are mostly wrong, and cost rows
+    store = NgramStore.build([row["input_ids"][::-1] for row in rows], NgramSpec()) if with_store else None
+    dec = SpeculativeDecoder(tiny, drafter, served, store)
     rounds = tokens = 0
     for ids, row in zip(tiny_prompts, rows, strict=True):
         out = dec.generate(ids, GREEDY)
         assert ids + out.tokens == row["input_ids"]  # greedy identity: the replayed text
         rounds, tokens = rounds + out.stats.rounds, tokens + len(out.tokens) - 1  # the first: prefill
-    run = replay(rank_tables(drafter, tiny, rows, 3), rows, tree, RoundCost(1.0, 2.0), ngram)
+    run = replay(rank_tables(drafter, tiny, rows, 3), rows, tree, RoundCost(1.0, 2.0), ngram, store)
     assert (run.rounds, run.tokens) == (rounds, tokens)
     assert run.tau > 1.0  # drafts were accepted: the check compares real walks
     assert (run.lookup_rounds > 0) == (ngram is not None)

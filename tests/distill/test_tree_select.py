@@ -39,9 +39,31 @@ def test_searching_with_lookups_scores_and_saves_them(tiny):
     spec = NgramSpec(tokens=3, min_match=1, max_match=1)  # random text repeats single tokens
     drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
     tree, report = select_tree(drafter, tiny, _rows(tiny), k=3, budgets=[1, 3], max_ranks=2, context=32, repeats=2, ngram=spec)
-    assert tree.ngram == spec and report["ngram"] == spec.model_dump()
+    assert tree.ngram == spec and report["chosen_ngram"] == spec.model_dump()
+    assert all(c["ngram"] == spec.model_dump() for c in report["candidates"])  # no store: one lookup setting
     assert max(report["candidates"], key=lambda c: c["predicted_speedup"])["paths"] == [list(p) for p in tree.paths]
     assert all(0.0 < c["lookup_rounds"] <= 1.0 and c["graft_row_ms"] >= 0.0 for c in report["candidates"])
+
+
+def test_searching_with_a_store_tries_its_branch_lengths(tiny):
+    from draftlab.config import NgramSpec
+    from draftlab.decoding.ngram import NgramStore
+
+    rows = _rows(tiny)
+    spec = NgramSpec(tokens=3)
+    store = NgramStore.build([r["input_ids"] for r in rows], spec)  # the replayed text: always right
+    drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
+    tree, report = select_tree(drafter, tiny, rows, k=3, budgets=[1, 2], max_ranks=2, context=32, repeats=2,
+                               ngram=spec, store=store)
+    per_tree = {}
+    for c in report["candidates"]:
+        per_tree.setdefault(str(c["paths"]), []).append(c)
+    for cands in per_tree.values():  # each tree with the text alone, then 2 and 3 tokens from the store
+        assert [c["ngram"]["store_tokens"] for c in cands] == [0, 2, 3]
+        assert cands[0]["tau"] < cands[1]["tau"] < cands[2]["tau"]  # a right store is accepted
+    best = max(report["candidates"], key=lambda c: c["predicted_speedup"])
+    assert tree.ngram.store_tokens == best["ngram"]["store_tokens"] == report["chosen_ngram"]["store_tokens"]
+    assert report["lookup_store_grams"] == len(store.table)
 
 
 def test_autoregressive_depths_beyond_training_are_extrapolated(tiny):

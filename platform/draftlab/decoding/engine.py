@@ -23,7 +23,7 @@ import torch
 from draftlab.config import SamplingParams
 from draftlab.decoding.acceptance import greedy_walk, process_logits, sample, sampled_walk
 from draftlab.decoding.cache import keep_rows
-from draftlab.decoding.ngram import NgramIndex, graft
+from draftlab.decoding.ngram import NgramIndex, NgramStore, graft
 from draftlab.decoding.stopping import Stopper
 from draftlab.decoding.tree import Topology, Tree
 from draftlab.models.attention import RowPlan
@@ -218,13 +218,14 @@ class SpeculativeDecoder:
     `tree` = `Tree.chain(k)` for chain verification (drafts are *sampled* from the drafter
     when sampling), any other tree for top-k tree verification (deterministic drafts).
     A tree with `ngram` set grafts prompt-lookup drafts onto itself each round
-    (`decoding/ngram.py`), except onto sampled chain drafts, whose lossless walk assumes one
-    draft per position.
+    (`decoding/ngram.py`; from `store`, the drafter's `NgramStore`, where the text has no
+    match), except onto sampled chain drafts, whose lossless walk assumes one draft per
+    position.
     """
 
-    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree):
+    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree, store: NgramStore | None = None):
         drafter.check_k(tree.depth)
-        self.target, self.drafter, self.tree = target, drafter, tree
+        self.target, self.drafter, self.tree, self.store = target, drafter, tree, store
         self.aux_layers = drafter.aux_layers  # target states the drafter fuses
         dev = target.device
         self._depths = tree.depths.to(dev)  # (N+1,)
@@ -263,7 +264,7 @@ class Session:
         # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
         self.pend_tok = torch.tensor(prompt[1:] + [self.root], device=dev)
         self.pend_hid = hidden
-        self.lookup = NgramIndex(dec.tree.ngram, prompt + [self.root]) if dec.tree.ngram else None
+        self.lookup = NgramIndex(dec.tree.ngram, prompt + [self.root], dec.store) if dec.tree.ngram else None
         self.done = self.stopper.feed([self.root])
 
     @property

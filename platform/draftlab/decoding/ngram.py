@@ -9,16 +9,97 @@ grafted onto the drafter's tree for the round (`graft`): a branch from the root 
 the nodes it agrees with and adds the rest, so one target forward verifies the drafter's
 rank paths and the copied span together and the walk keeps whichever the target agrees with.
 
+When the text itself has no match, `NgramStore` looks the same suffix up in a fixed
+corpus: the target's own responses to the drafter's training prompts (written next to the
+drafter by `draftlab distill` as `lookup-store.safetensors`), proposing the continuation
+that followed it most often there: retrieval drafting (REST) from data distillation
+already produced.
+
 Grafted nodes are deterministic drafts with distinct tokens under each parent, so greedy
 identity and lossless sampling hold as for any top-k tree (`acceptance.py`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from draftlab.config import NgramSpec
 from draftlab.decoding.tree import Topology
+
+STORE_FILE = "lookup-store.safetensors"  # an `NgramStore` next to the drafter
+_STORE_FIELDS = ("min_match", "max_match", "tokens")  # the spec a store was built with
+
+
+class NgramStore:
+    """The most frequent continuation of every n-gram (n in [min_match, max_match]) of a
+    fixed corpus, looked up longest n first."""
+
+    def __init__(self, spec: NgramSpec, table: dict[tuple[int, ...], list[int]]):
+        self.spec, self.table = spec, table
+
+    @classmethod
+    def build(cls, sequences: Iterable[list[int]], spec: NgramSpec) -> NgramStore:
+        """Count, in each sequence, the `spec.tokens` tokens that follow every n-gram (cut
+        at the sequence's end); keep the most frequent (ties: the first seen)."""
+        seen: Counter[tuple[int, ...]] = Counter()  # gram + continuation
+        for seq in sequences:
+            for end in range(1, len(seq)):
+                nxt = tuple(seq[end : end + spec.tokens])
+                for n in range(spec.min_match, min(spec.max_match, end) + 1):
+                    seen[(n, *seq[end - n : end], *nxt)] += 1
+        best: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+        for key, count in seen.items():
+            n = key[0]
+            gram = key[1 : n + 1]
+            if gram not in best or count > best[gram][0]:
+                best[gram] = (count, list(key[n + 1 :]))
+        return cls(spec, {gram: nxt for gram, (_, nxt) in best.items()})
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        """What followed the longest suffix of `tokens` found in the corpus; [] if none."""
+        for n in range(self.spec.max_match, self.spec.min_match - 1, -1):
+            if len(tokens) >= n and (nxt := self.table.get(tuple(tokens[-n:]))):
+                return nxt
+        return []
+
+    def save(self, path: str | Path) -> None:
+        """As (G, n) grams and (G, tokens) continuations per n, padded with -1."""
+        tensors = {}
+        for n in range(self.spec.min_match, self.spec.max_match + 1):
+            items = [(g, c) for g, c in self.table.items() if len(g) == n]
+            grams = torch.tensor([g for g, _ in items], dtype=torch.int32).reshape(-1, n)
+            nxt = torch.full((len(items), self.spec.tokens), -1, dtype=torch.int32)
+            for i, (_, c) in enumerate(items):
+                nxt[i, : len(c)] = torch.tensor(c, dtype=torch.int32)
+            tensors |= {f"grams_{n}": grams, f"next_{n}": nxt}
+        sizes = {f: str(getattr(self.spec, f)) for f in _STORE_FIELDS}
+        save_file(tensors, str(path), metadata=sizes)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NgramStore:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if not set(_STORE_FIELDS) <= set(meta):
+            raise ValueError(f"{path} is not an n-gram lookup store (no {list(_STORE_FIELDS)} in its metadata)")
+        spec = NgramSpec(**{f: int(meta[f]) for f in _STORE_FIELDS})
+        tensors, table = load_file(str(path)), {}
+        for n in range(spec.min_match, spec.max_match + 1):
+            for gram, nxt in zip(tensors[f"grams_{n}"].tolist(), tensors[f"next_{n}"].tolist(), strict=True):
+                table[tuple(gram)] = [t for t in nxt if t >= 0]
+        return cls(spec, table)
+
+    @classmethod
+    def beside(cls, drafter_dir: str | Path | None) -> NgramStore | None:
+        """The store saved next to a drafter, if it has one."""
+        path = Path(drafter_dir) / STORE_FILE if drafter_dir is not None else None
+        return cls.load(path) if path is not None and path.is_file() else None
 
 
 class NgramIndex:
@@ -29,8 +110,9 @@ class NgramIndex:
     length and an update is O(max_match) per token.
     """
 
-    def __init__(self, spec: NgramSpec, tokens: list[int]):
+    def __init__(self, spec: NgramSpec, tokens: list[int], store: NgramStore | None = None):
         self.spec = spec
+        self.store = store if spec.store_tokens else None  # consulted when the text has no match
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}
         self.extend(tokens)
@@ -44,7 +126,8 @@ class NgramIndex:
             self.tokens.append(tok)
 
     def propose(self) -> list[int]:
-        """Up to `spec.tokens` tokens that followed the longest matching suffix; [] if none."""
+        """Up to `spec.tokens` tokens that followed the longest matching suffix (in the
+        text, else in the store); [] if none."""
         toks = self.tokens
         for n in range(self.spec.max_match, self.spec.min_match - 1, -1):
             if len(toks) < n:
@@ -52,7 +135,7 @@ class NgramIndex:
             start = self._next.get(tuple(toks[-n:]))
             if start is not None:
                 return toks[start : start + self.spec.tokens]
-        return []
+        return self.store.propose(toks)[: self.spec.store_tokens] if self.store is not None else []
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ this module walks each held-out response as greedy decoding would:
     root x_p (the first one: the response's first token, which the prefill produces)
     tree:   accepted depth = longest prefix of the drafter's ranks of x_{p+1}, x_{p+2}, ...
             (`ranks.rank_tables`, anchor p-1) that is a path of the tree
-    lookup: accepted depth = leading tokens of `NgramIndex.propose()` on x_0..x_p that equal
-            x_{p+1}, x_{p+2}, ...
+    lookup: accepted depth = leading tokens of `NgramIndex.propose()` on x_0..x_p (the
+            drafter's `NgramStore` where the text has no match) that equal x_{p+1}, x_{p+2}, ...
     commit max(tree, lookup) + 1 tokens (the bonus), and pay draft + verify of this round
 
 A round's verify cost is the static tree's, plus its share of a grafted branch's cost for
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from draftlab.config import NgramSpec
-from draftlab.decoding.ngram import NgramIndex
+from draftlab.decoding.ngram import NgramIndex, NgramStore
 from draftlab.decoding.tree import Tree
 
 
@@ -76,14 +76,16 @@ def replay(
     tree: Tree,
     cost: RoundCost,
     ngram: NgramSpec | None = None,
+    store: NgramStore | None = None,
 ) -> Replay:
-    """Walk every row's response with `tree` (grafting `ngram` lookups when given)."""
+    """Walk every row's response with `tree` (grafting `ngram` lookups, in the text and
+    then in `store`, when given)."""
     paths = set(tree.paths)
     out = Replay()
     for table, row in zip(tables, rows, strict=True):
         ids, p = list(row["input_ids"])[: table.shape[0] + 1], int(row["prompt_len"])
         ranks = table[:, : tree.depth].tolist()  # (L-1, depth)
-        lookup = NgramIndex(ngram, ids[: p + 1]) if ngram is not None else None
+        lookup = NgramIndex(ngram, ids[: p + 1], store) if ngram is not None else None
         while p < len(ids) - 1:
             truth = ids[p + 1 :]
             by_tree = _tree_depth(ranks[p - 1], paths)

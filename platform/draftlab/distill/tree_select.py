@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from draftlab.config import DistillConfig, NgramSpec
-from draftlab.decoding.ngram import graft
+from draftlab.decoding.ngram import NgramStore, graft
 from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.decoding.tree_search import best_tree, expected_accepted, searched_budget
 from draftlab.distill.ranks import acceptance_rates, rank_tables
@@ -41,6 +41,7 @@ def select_tree(
     depth: int | None = None,
     repeats: int = 15,
     ngram: NgramSpec | None = None,
+    store: NgramStore | None = None,
 ) -> tuple[Tree, dict]:
     """The tree with the best predicted speedup among the budget optima, and the report.
 
@@ -48,8 +49,8 @@ def select_tree(
     autoregressive drafter trains one group, so its deeper rates repeat the last measured
     depth (flagged in the report as `extrapolated_depths`) and the replay draws its ranks
     there from those rates: an optimistic guess, as its acceptance usually decays a little
-    with depth. With `ngram`, every candidate is scored with grafted prompt lookups and the
-    chosen tree carries them.
+    with depth. With `ngram`, every candidate is scored with grafted prompt lookups (from
+    the text, then from `store`) and the chosen tree carries them.
     """
     tables = rank_tables(drafter, target, rows, k)
     acc, extrapolated = _to_depth(acceptance_rates(tables, max_ranks), depth or k)
@@ -65,37 +66,53 @@ def select_tree(
     drafting = {
         d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})
     }
-    table = []
+    lookups = _lookup_options(ngram, store)
+    table, chosen = [], []
     for tree, v, vb in zip(candidates, plain, with_branch, strict=True):
         row_ms = max(0.0, vb - v) / ngram.tokens if ngram else 0.0
-        run = replay(tables, rows, tree, RoundCost(drafting[tree.depth], v, row_ms), ngram)
-        table.append(
-            {
-                "tree": tree.name,
-                "nodes": tree.num_nodes,
-                "depth": tree.depth,
-                "paths": [list(p) for p in tree.paths],
-                "expected_tau": 1.0 + expected_accepted(tree, acc),  # the positional model's
-                "tau": run.tau,  # replayed, with the lookups when `ngram`
-                "lookup_rounds": run.lookup_rounds / run.rounds if run.rounds else 0.0,
-                "verify_ms": v,
-                "graft_row_ms": row_ms,
-                "draft_ms": drafting[tree.depth],
-                "predicted_speedup": run.speedup(decode),
-            }
-        )
+        for spec in lookups:
+            run = replay(tables, rows, tree, RoundCost(drafting[tree.depth], v, row_ms), spec, store)
+            chosen.append(tree.with_ngram(spec) if spec else tree)
+            table.append(
+                {
+                    "tree": tree.name,
+                    "nodes": tree.num_nodes,
+                    "depth": tree.depth,
+                    "paths": [list(p) for p in tree.paths],
+                    "ngram": spec.model_dump() if spec else None,
+                    "expected_tau": 1.0 + expected_accepted(tree, acc),  # the positional model's
+                    "tau": run.tau,  # replayed, with the lookups when `ngram`
+                    "lookup_rounds": run.lookup_rounds / run.rounds if run.rounds else 0.0,
+                    "verify_ms": v,
+                    "graft_row_ms": row_ms,
+                    "draft_ms": drafting[tree.depth],
+                    "predicted_speedup": run.speedup(decode),
+                }
+            )
     best = max(range(len(table)), key=lambda i: table[i]["predicted_speedup"])
     report = {
         "acceptance": acc,
         "extrapolated_depths": extrapolated,
         "context": context,
         "decode_ms": decode,
-        "ngram": ngram.model_dump() if ngram else None,
+        "lookup_store_grams": len(store.table) if ngram and store else None,
         "candidates": table,
         "chosen": table[best]["tree"],
+        "chosen_ngram": table[best]["ngram"],
     }
-    chosen = candidates[best]
-    return (chosen.with_ngram(ngram) if ngram else chosen), report
+    return chosen[best], report
+
+
+STORE_TOKENS = (0, 2, 3, 5)  # store branch lengths the search tries (0: the text's lookups only)
+
+
+def _lookup_options(ngram: NgramSpec | None, store: NgramStore | None) -> list[NgramSpec | None]:
+    """The lookup settings each tree is replayed with: none, `ngram` alone, or (with a
+    store) `ngram` with each store branch length up to `ngram.tokens`."""
+    if ngram is None or store is None:
+        return [ngram]
+    lengths = sorted({min(t, ngram.tokens) for t in STORE_TOKENS})
+    return [ngram.model_copy(update={"store_tokens": t}) for t in lengths]
 
 
 def _with_branch(tree: Tree, tokens: int):
@@ -140,9 +157,11 @@ def choose_tree(
     return save_tree(tree.with_ngram() if ngram else tree, None, out_dir)
 
 
-def _search(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset) -> tuple[Tree, dict]:
+def _search(
+    cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, store: NgramStore | None
+) -> tuple[Tree, dict]:
     """`select_tree` on the held-out split with the `cfg.bench.search_*` settings, scoring
-    the prompt lookups too when `cfg.bench.tree` ends in `+ngram`."""
+    the prompt lookups too (with the drafter's `store`) when `cfg.bench.tree` ends in `+ngram`."""
     from draftlab.distill.worker import group_count
 
     b = cfg.bench
@@ -157,15 +176,16 @@ def _search(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset) ->
         b.search_context,
         depth=cfg.drafter.k,
         ngram=NgramSpec() if split_ngram(cfg.bench.tree)[1] else None,
+        store=store,
     )
 
 
 def search_and_save(
     cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset, out_dir: str | Path
 ) -> Path:
-    """`_search`, saving `tree.json` and `tree-search.json` into `out_dir`; returns the
-    `tree.json` path."""
-    return save_tree(*_search(cfg, drafter, target, evalset), out_dir)
+    """`_search` (with the lookup store saved in `out_dir`, if any), saving `tree.json` and
+    `tree-search.json` into `out_dir`; returns the `tree.json` path."""
+    return save_tree(*_search(cfg, drafter, target, evalset, NgramStore.beside(out_dir)), out_dir)
 
 
 def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> dict:

@@ -24,8 +24,9 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from draftlab.config import BenchConfig, DistillConfig
+from draftlab.config import BenchConfig, DistillConfig, NgramSpec
 from draftlab.data.selfdistill import training_view
+from draftlab.decoding.ngram import STORE_FILE, NgramStore
 from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.distill.batching import Batch, collate
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
@@ -106,6 +107,13 @@ def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = 
     with torch.inference_mode():
         feats = target.run_decoder(aux, input_ids=batch.input_ids, attention_mask=mask.long())
     return feats.clone()  # clone: leave inference mode for autograd
+
+
+def save_lookup_store(train: datasets.Dataset, out_dir: Path) -> None:
+    """The target's responses to the training prompts, as the drafter's `NgramStore`."""
+    cols = train.select_columns(["input_ids", "prompt_len"])
+    responses = (ids[p:] for ids, p in zip(cols["input_ids"], cols["prompt_len"], strict=True))
+    NgramStore.build(responses, NgramSpec()).save(out_dir / STORE_FILE)
 
 
 def usable_features(data: datasets.Dataset, cfg: DistillConfig, target: Target, drafter: DrafterNet) -> datasets.Dataset:
@@ -426,6 +434,7 @@ def train_fn_per_worker(config: dict) -> dict:
     }
     out_dir = Path(config["output_dir"])
     exported.eval().save(out_dir)
+    save_lookup_store(train, out_dir)
     served = load_drafter(out_dir, target)  # as users load it: the target's dtype
     curve = training_curve(cfg, served, target, state["evaluations"])
     (out_dir / "training.json").write_text(json.dumps(curve, indent=2) + "\n")

@@ -70,11 +70,13 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
 class DraftEngine:
     def __init__(self, args: dict):
         from draftlab.decoding.engine import SpeculativeDecoder
+        from draftlab.decoding.ngram import NgramStore
         from draftlab.distill.tree_select import resolve_tree
         from draftlab.models.drafters.network import resolve_drafter
         from draftlab.models.target import load_target
         from draftlab.serve.pair import resolve_pair
         from draftlab.serve.scheduler import Scheduler
+        from draftlab.storage import local_copy
 
         self.args = ServeArgs.model_validate(args)
         pair = resolve_pair(self.args)
@@ -83,16 +85,18 @@ class DraftEngine:
         saved = None if pair.drafter.startswith("init:") else pair.drafter
         tree = resolve_tree(self.args.engine.tree, saved, drafter.cfg.k)
         eng = self.args.engine
+        store = NgramStore.beside(local_copy(saved)) if saved and tree.ngram else None  # the drafter's lookup store
         self.max_context = eng.max_context or int(getattr(self.target.model.config, "max_position_embeddings", 2048))
         self.info_ = {"model": self.args.served_model_name or pair.target.name, "target": pair.target.name,
                       "drafter": {"family": drafter.cfg.family, "k": drafter.cfg.k, "depth": drafter.cfg.depth},
                       "tree": [list(p) for p in tree.paths], "ngram": tree.ngram and tree.ngram.model_dump(),
+                      "lookup_store_grams": len(store.table) if store else None,
                       "speculation": eng.speculation,
                       "max_context": self.max_context, "source": pair.source, "device": str(self.target.device)}
         self.metrics = _Metrics()
         policy = build_policy(self.target, drafter, tree, saved, eng) if eng.speculation == "auto" else None
         self.info_["policy"] = policy.as_dict() if policy else None
-        self.scheduler = Scheduler(SpeculativeDecoder(self.target, drafter, tree), eng.speculation,
+        self.scheduler = Scheduler(SpeculativeDecoder(self.target, drafter, tree, store), eng.speculation,
                                    eng.max_active, policy, on_finish=self._on_finish)
         log.info("draftlab engine ready: %s", self.info_)
 

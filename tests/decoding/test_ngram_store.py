@@ -1,0 +1,58 @@
+"""The lookup store: a corpus's most frequent continuations, consulted where the text has no match."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from draftlab.config import NgramSpec, SamplingParams
+from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from draftlab.decoding.ngram import STORE_FILE, NgramIndex, NgramStore
+from draftlab.decoding.tree import Tree
+from draftlab.models.drafters import init_drafter
+
+GREEDY = SamplingParams(max_new_tokens=40)
+
+
+def test_store_keeps_the_most_frequent_continuation_cut_at_each_sequence_end(tmp_path):
+    spec = NgramSpec(tokens=3, min_match=1, max_match=2)
+    store = NgramStore.build([[1, 2, 3, 4], [1, 2, 3, 9], [5, 2, 7], [1, 2, 3, 4]], spec)
+    assert store.table[(1, 2)] == [3, 4]  # twice, against 3 9 once; cut where the sequence ends
+    assert store.table[(2,)] == [3, 4] and store.table[(5, 2)] == [7]
+    assert (7,) not in store.table and (4,) not in store.table  # nothing follows a last token
+    assert NgramStore.build([[1, 5], [1, 6]], spec).table[(1,)] == [5]  # a tie: the first seen
+    assert store.propose([8, 5, 2]) == [7]  # the longest suffix first: (5, 2), not (2,)
+    assert store.propose([8, 2]) == [3, 4] and store.propose([8]) == []
+    store.save(tmp_path / STORE_FILE)
+    loaded = NgramStore.beside(tmp_path)
+    assert loaded.table == store.table
+    assert (loaded.spec.tokens, loaded.spec.min_match, loaded.spec.max_match) == (3, 1, 2)
+    assert NgramStore.beside(tmp_path / "elsewhere") is None and NgramStore.beside(None) is None
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not an n-gram lookup store"):
+        NgramStore.load(tmp_path / "other.safetensors")
+
+
+def test_the_text_comes_first_then_the_store_capped_at_store_tokens():
+    store = NgramStore.build([[7, 8, 9, 10]], NgramSpec(min_match=1, max_match=2))
+    spec = NgramSpec(tokens=4, min_match=1, max_match=2, store_tokens=2)
+    index = NgramIndex(spec, [1, 2, 3, 1], store)
+    assert index.propose() == [2, 3, 1]  # 1 was followed by 2 3 1 in the text itself
+    index.extend([7])
+    assert index.propose() == [8, 9]  # no match in the text: the store's, cut to 2 tokens
+    off = NgramIndex(spec.model_copy(update={"store_tokens": 0}), [1, 2, 3, 1, 7], store)
+    assert off.propose() == []
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(1), Tree.from_paths([[0], [1], [0, 0]])], ids=lambda t: t.name)
+def test_store_drafts_keep_greedy_identity_and_get_accepted(tiny, tiny_prompts, tree):
+    """A store of the target's own answers proposes right drafts: accepted rows, same text."""
+    refs = [autoregressive_generate(tiny, ids, GREEDY).tokens for ids in tiny_prompts]
+    store = NgramStore.build(refs, NgramSpec())
+    drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=2)
+    tau = {}
+    for n in (0, 3):
+        dec = SpeculativeDecoder(tiny, drafter, tree.with_ngram(NgramSpec(store_tokens=n)), store)
+        outs = [dec.generate(ids, GREEDY) for ids in tiny_prompts]
+        assert [o.tokens for o in outs] == refs
+        tau[n] = sum(len(o.tokens) for o in outs) / sum(o.stats.rounds + 1 for o in outs)
+    assert tau[3] > tau[0] + 0.3
