@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
     b.add_argument("--ngram-min", type=int, default=NgramSpec().min_match, help="*_ngram: shortest suffix n-gram matched")
     b.add_argument("--ngram-max", type=int, default=NgramSpec().max_match, help="*_ngram: longest suffix n-gram matched")
+    b.add_argument("--ngram-grow-to", type=int, default=NgramSpec().grow_to,
+                   help="*_ngram: after a round that commits a whole copy, copy twice as many tokens next, up to this (<= --ngram-tokens: fixed)")
     b.add_argument("--ngram-store-tokens", type=int, default=NgramSpec().store_tokens,
                    help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
@@ -370,7 +372,7 @@ def _bench(a: argparse.Namespace) -> None:
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
         k=a.k, depth=a.depth, tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         warmup=a.warmup, methods=[m.strip() for m in a.methods.split(",") if m.strip()], json_out=a.json_out,
-        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens),
+        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to),
     )
     report = run_bench(cfg)
     print(render_table(report))

@@ -56,3 +56,22 @@ def test_store_drafts_keep_greedy_identity_and_get_accepted(tiny, tiny_prompts, 
         assert [o.tokens for o in outs] == refs
         tau[n] = sum(len(o.tokens) for o in outs) / sum(o.stats.rounds + 1 for o in outs)
     assert tau[3] > tau[0] + 0.3
+
+
+def test_copies_grow_after_whole_ones_are_committed_and_reset_on_a_miss():
+    spec = NgramSpec(tokens=2, min_match=1, max_match=1, grow_to=6)
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1]
+    index = NgramIndex(spec, text)
+    assert index.propose() == [2, 3]
+    index.extend([2, 3, 4])  # the whole copy and the bonus token
+    assert index.copy_len == 4 and index.propose() == [5, 6, 7, 8]
+    index.extend([5, 6, 7, 8, 9])
+    assert index.copy_len == 6 and index.propose() == [10, 11, 1, 2, 3, 4]  # capped at grow_to
+    index.extend([10, 99])  # cut short
+    assert index.copy_len == 2
+    index.extend([5])  # no proposal since: the length stays
+    assert index.copy_len == 2
+    for grow_to in (2, 1):  # at most `tokens`: fixed copies
+        fixed = NgramIndex(spec.model_copy(update={"grow_to": grow_to}), text)
+        fixed.extend(fixed.propose() + [4])
+        assert fixed.copy_len == 2 and fixed.propose() == [5, 6]

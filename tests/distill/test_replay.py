@@ -16,7 +16,7 @@ from draftlab.models.drafters import init_drafter
 from draftlab.models.target import load_target
 
 GREEDY = SamplingParams(max_new_tokens=48)
-LOOKUP = NgramSpec(tokens=4, min_match=1, max_match=2)
+LOOKUP = NgramSpec(tokens=2, min_match=1, max_match=2, grow_to=8)  # copies grow: state across rounds
 
 
 @pytest.fixture(scope="module")

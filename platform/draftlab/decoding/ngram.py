@@ -73,11 +73,9 @@ class NgramStore:
         """As (G, n) grams and (G, tokens) continuations per n, padded with -1."""
         tensors = {}
         for n in range(self.spec.min_match, self.spec.max_match + 1):
-            items = [(g, c) for g, c in self.table.items() if len(g) == n]
+            items = [(g, c + [-1] * (self.spec.tokens - len(c))) for g, c in self.table.items() if len(g) == n]
             grams = torch.tensor([g for g, _ in items], dtype=torch.int32).reshape(-1, n)
-            nxt = torch.full((len(items), self.spec.tokens), -1, dtype=torch.int32)
-            for i, (_, c) in enumerate(items):
-                nxt[i, : len(c)] = torch.tensor(c, dtype=torch.int32)
+            nxt = torch.tensor([c for _, c in items], dtype=torch.int32).reshape(-1, self.spec.tokens)
             tensors |= {f"grams_{n}": grams, f"next_{n}": nxt}
         sizes = {f: str(getattr(self.spec, f)) for f in _STORE_FIELDS}
         save_file(tensors, str(path), metadata=sizes)
@@ -108,6 +106,10 @@ class NgramIndex:
     `_next[gram]` = the index just after the latest occurrence of `gram` (n-grams of every
     length in [min_match, max_match]) that has a continuation, so a lookup is a dict get per
     length and an update is O(max_match) per token.
+
+    A copy from the text is `spec.tokens` long; after a round that committed the whole copy,
+    the next may be twice as long, up to `spec.grow_to` (a RAG answer or a summary quoting
+    its source copies long spans), and a copy the target cut short resets it.
     """
 
     def __init__(self, spec: NgramSpec, tokens: list[int], store: NgramStore | None = None):
@@ -115,9 +117,15 @@ class NgramIndex:
         self.store = store if spec.store_tokens else None  # consulted when the text has no match
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}
+        self.copy_len = spec.tokens  # the next copy's length
+        self._copied: list[int] = []  # the last proposal's copy from the text
         self.extend(tokens)
 
     def extend(self, new: list[int]) -> None:
+        if self._copied:  # committed after a copy: was all of it right?
+            whole = new[: len(self._copied)] == self._copied
+            self.copy_len = max(self.spec.tokens, min(2 * self.copy_len, self.spec.grow_to)) if whole else self.spec.tokens
+            self._copied = []
         for tok in new:
             end = len(self.tokens)  # `tok` continues every n-gram ending just before it
             for n in range(self.spec.min_match, self.spec.max_match + 1):
@@ -126,15 +134,17 @@ class NgramIndex:
             self.tokens.append(tok)
 
     def propose(self) -> list[int]:
-        """Up to `spec.tokens` tokens that followed the longest matching suffix (in the
-        text, else in the store); [] if none."""
+        """Up to `copy_len` tokens that followed the longest matching suffix in the text,
+        else up to `spec.store_tokens` from the store; [] if neither has a match."""
         toks = self.tokens
         for n in range(self.spec.max_match, self.spec.min_match - 1, -1):
             if len(toks) < n:
                 continue
             start = self._next.get(tuple(toks[-n:]))
             if start is not None:
-                return toks[start : start + self.spec.tokens]
+                self._copied = toks[start : start + self.copy_len]
+                return self._copied
+        self._copied = []
         return self.store.propose(toks)[: self.spec.store_tokens] if self.store is not None else []
 
 

@@ -458,8 +458,9 @@ def train_fn_per_worker(config: dict) -> dict:
         chain = best.startswith("draftlab_chain")
         chosen = Tree.chain(chain_k) if chain else Tree.from_paths(
             [list(p) for p in verify_tree.paths], split_ngram(cfg.bench.tree)[0])
-        if best.endswith("_ngram") or (not chain and verify_tree.ngram):  # `searched+ngram` grafts in both
-            chosen = chosen.with_ngram(verify_tree.ngram or bcfg.ngram)
+        # the lookups it was measured with: the bench's for `*_ngram`, else the searched tree's own
+        ngram = bcfg.ngram if best.endswith("_ngram") else None if chain else verify_tree.ngram
+        chosen = chosen.with_ngram(ngram) if ngram else chosen
         save_tree(chosen, None, out_dir)
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
                     "best_method": best, "tree": chosen.name, "greedy_identical": report_["greedy_identical"]}
