@@ -110,8 +110,8 @@ class NgramSpec(StrictModel):
     """Longest suffix n-gram tried first (a longer match is a likelier copy)."""
     grow_to: int = Field(16, ge=1, le=64)
     """Longest copy from the text: after a round that committed a whole copy, the next may
-    copy twice as many tokens, up to this; a copy cut short resets it to `tokens`. At most
-    `tokens`: copies keep that length."""
+    copy twice as many tokens, up to this; a copy cut short resets it to `tokens`. A value
+    <= `tokens` keeps every copy `tokens` long."""
     store_tokens: int = Field(3, ge=0, le=64)
     """Where the text has no match, graft up to this many tokens from the drafter's
     `lookup-store` (the target's responses to the training prompts; `decoding/ngram.py`),
