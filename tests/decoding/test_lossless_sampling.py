@@ -2,9 +2,9 @@
 
 Method. `tiny-llama-v8` has an 8-token vocabulary and no EOS, so the joint distribution of
 the first three generated tokens has only 8**3 = 512 outcomes. We compute it *exactly* by
-enumeration: one batched full forward of the target over the 64 two-token prefixes gives
-p(t1 | prompt), p(t2 | prompt, t1) and p(t3 | prompt, t1, t2), each processed with the
-engine's own `process_logits(logits, temperature, top_p)`. We then draw N samples from
+enumeration: decoding each of the 64 two-token prefixes step by step gives p(t1 | prompt),
+p(t2 | prompt, t1) and p(t3 | prompt, t1, t2), each processed with the engine's own
+`process_logits(logits, temperature, top_p)`. We then draw N samples from
 `SpeculativeDecoder.generate` (one seed per sample) with an *untrained* drafter, whose q is
 far from p, so the accept/reject/residual machinery is exercised, and compare.
 
@@ -76,11 +76,18 @@ def target():
 
 @torch.inference_mode()
 def _target_step_logits(target, prompt: list[int]) -> torch.Tensor:
-    """(V, V, 3, V) float64 logits: [t1, t2, j] = next-token logits after prompt + (t1, t2)[:j]."""
-    pre = torch.tensor(list(itertools.product(range(V), repeat=LENGTH - 1)))  # (64, 2)
-    ids = torch.cat([torch.tensor(prompt).expand(len(pre), -1), pre], dim=1)  # (64, P+2)
-    logits = target.model(ids).logits[:, -LENGTH:].double()  # (64, 3, V)
-    return logits.reshape(V, V, LENGTH, V)
+    """(V, V, 3, V) float64 logits: [t1, t2, j] = next-token logits after prompt + (t1, t2)[:j],
+    computed as the engine computes them (the prompt's prefill, then decoding steps through
+    row-exact attention): in bfloat16 a full forward's rows differ in the last bits, enough
+    to move a token across the top-p boundary."""
+    n, out = len(prompt), []
+    for prefix in itertools.product(range(V), repeat=LENGTH - 1):  # 64 x (t1, t2)
+        cache = target.new_cache()
+        rows = [target.forward(torch.tensor(prompt), torch.arange(n), cache)[0][-1]]
+        for i, tok in enumerate(prefix):
+            rows.append(target.forward(torch.tensor([tok]), torch.tensor([n + i]), cache)[0][-1])
+        out.append(torch.stack(rows))  # (3, V)
+    return torch.stack(out).double().reshape(V, V, LENGTH, V)
 
 
 def exact_distribution(target, prompt, temperature, top_p) -> torch.Tensor:

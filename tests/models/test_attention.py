@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftlab.decoding.ngram import graft
 from draftlab.decoding.tree import load_tree
-from draftlab.models import attention, fused_attention
+from draftlab.models import attention, fused_attention, row_kernel
 from draftlab.models.target import (
     Target,
     cpu_has_amx_bf16,
@@ -52,8 +52,20 @@ def tiny_bf16(tiny):
     return Target("gqa-bf16", model, tiny.tokenizer, "random")
 
 
+@pytest.fixture(params=["kernel", "sdpa"])
+def rows_impl(request, monkeypatch):
+    """Row-exact attention through the CPU row kernel, or through SDPA per row (what runs
+    where the kernel cannot be built): both must reproduce decoding bit for bit."""
+    if request.param == "kernel":
+        if row_kernel.load() is None:
+            pytest.fail("the CPU row kernel did not build here (see the warning above)")
+    else:
+        monkeypatch.setattr(row_kernel, "supports", lambda query, key: False)
+    return request.param
+
+
 @pytest.mark.parametrize("path", [[4, 9, 33, 12, 6], [7, 1, 2, 40, 5, 5, 8, 19, 3, 11, 6, 2, 9, 30]])
-def test_chain_block_equals_token_by_token_bitwise(tiny_bf16, path):
+def test_chain_block_equals_token_by_token_bitwise(tiny_bf16, rows_impl, path):
     ctx = len(PREFIX)
     cache = _prefilled(tiny_bf16)
     rows = [ctx + i + 1 for i in range(len(path))]
@@ -62,7 +74,7 @@ def test_chain_block_equals_token_by_token_bitwise(tiny_bf16, path):
 
 
 @pytest.mark.parametrize("grafted", [False, True], ids=["static", "grafted"])
-def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16, grafted):
+def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16, rows_impl, grafted):
     """Rows of a tree block equal decoding their root-to-node paths. A grafted tree's branch
     leads the block as a chain: those rows read the cache in place (`RowPlan.prefix`), the
     others gather their keys; a static (len, lex)-ordered tree leads with the root and [0]."""
@@ -83,6 +95,54 @@ def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16, grafted):
     for node, s in enumerate(seen):  # each node's row equals decoding its root-to-node path
         path = [tokens[i] for i in s.tolist()]
         assert torch.equal(block[node], _stepwise(tiny_bf16, path)[-1]), f"node {node}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_kernel_rows_do_not_depend_on_their_neighbours(dtype):
+    """The kernel's contract, on its own: a row over a shuffled gather of its keys, computed
+    beside other rows on two threads, equals the same row alone on one thread, bit for bit;
+    and it is attention (float32 SDPA over the same keys, to float32 rounding)."""
+    if row_kernel.load() is None:
+        pytest.fail("the CPU row kernel did not build here (see the warning above)")
+    g = torch.Generator().manual_seed(0)
+    kv, heads, d, keys = 2, 6, 64, 700
+    k, v = (torch.randn(kv, keys, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(5, heads, d, generator=g)
+    counts = torch.tensor([1, 17, 300, 640, 700])
+    index = torch.stack([torch.randperm(keys, generator=g) for _ in range(5)])  # (5, keys)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        block = row_kernel.rows_attention(q, k, v, index, counts, 0.125)
+        torch.set_num_threads(1)
+        for r in range(5):
+            n = int(counts[r])
+            alone = row_kernel.rows_attention(q[r : r + 1], k, v, index[r : r + 1, :n], counts[r : r + 1], 0.125)
+            assert torch.equal(alone[0], block[r]), f"row {r}"
+            kr, vr = (t[:, index[r, :n]].float().repeat_interleave(heads // kv, 0) for t in (k, v))  # (heads, n, d)
+            ref = torch.nn.functional.scaled_dot_product_attention(q[r][:, None], kr, vr, scale=0.125)[:, 0]
+            torch.testing.assert_close(block[r], ref, rtol=1e-5, atol=1e-6)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_row_kernel_is_used_on_cpu_and_can_be_turned_off(tiny, monkeypatch):
+    """A CPU decoding step goes through the kernel; `DRAFTLAB_ROW_KERNEL=0` falls back."""
+    assert row_kernel.supports(torch.zeros(1, 4, 1, 64), torch.zeros(1, 2, 3, 64))
+    assert not row_kernel.supports(torch.zeros(1, 4, 1, 48), torch.zeros(1, 2, 3, 48))  # head size
+    assert not row_kernel.supports(torch.zeros(1, 4, 1, 64), torch.zeros(1, 2, 3, 64, dtype=torch.float16))
+    calls = []
+    real = row_kernel.rows_attention
+    monkeypatch.setattr(row_kernel, "rows_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    cache = _prefilled(tiny)
+    tiny.forward(torch.tensor([5]), torch.tensor([len(PREFIX)]), cache)
+    assert calls and all(shape[0] == 1 for shape in calls)  # one row per layer
+    row_kernel.load.cache_clear()
+    monkeypatch.setenv("DRAFTLAB_ROW_KERNEL", "0")
+    try:
+        assert row_kernel.load() is None
+    finally:
+        row_kernel.load.cache_clear()
 
 
 def test_rows_must_match_queries(tiny):

@@ -22,6 +22,12 @@ block, or two when the leading rows see causal prefixes of the cache (a chain, a
 branch: `RowPlan.prefix`) - those read the cache in place, only the others are gathered.
 Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
 
+Where it builds (`row_kernel.py`), a CPU kernel of draftlab's own replaces those SDPA calls:
+it computes each row over its own keys in the cache in place, by a fixed sequence of float32
+operations, so rows are exact by construction (no padding, gathering or single thread), at
+~15 us a row and layer on two cores against SDPA's ~35 us on one. The SDPA form above stays
+as the fallback where no compiler is at hand; a process uses one of the two throughout.
+
 Row-exact is a CPU (oneDNN) measure. On CUDA the same `RowPlan` goes through one fused kernel
 over the cache in place (`fused_attention.py`); `choose` picks per device (`auto`), or a
 target's `attention` setting forces either.
@@ -40,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from draftlab.models import fused_attention
+from draftlab.models import fused_attention, row_kernel
 
 NAME = "draftlab"
 BLOCK = 16  # key padding granule: a multiple of the CPU flash kernel's vector block
@@ -109,9 +115,9 @@ class RowPlan:
         prefix = int((counts == torch.arange(1, len(counts) + 1, device=counts.device)).sum())
         return cls(visible[:, None, None, :], index, prefix, _padded(ctx + prefix))
 
-    def visible(self, num_keys: int) -> torch.Tensor:
-        """(T, S) bool over the first `num_keys` cache keys: key j is visible to row i. The
-        dense form the fused path masks with (the context, then ancestors and itself)."""
+    def _checked(self, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen (T, Lp) bool, index (T, Lp)): row i's keys are index[i][seen[i]], in order,
+        all within the first `num_keys` cache keys."""
         seen = self.mask[:, 0, 0]  # (T, Lp)
         index = self.index
         if index is None:  # prefixes: row i's keys are 0..Lp-1
@@ -119,6 +125,22 @@ class RowPlan:
         last = int(torch.where(seen, index, -1).max())
         if last >= num_keys:
             raise ValueError(f"row plan reaches key {last} but the cache has {num_keys}")
+        return seen, index
+
+    def key_lists(self, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index (T or 1, Lp) int64, counts (T,)): row i's keys are index[i, :counts[i]] (one
+        index row shared by prefix plans), the form the CPU row kernel reads. Computed once
+        per forward and kept on the plan (every layer asks for the same one)."""
+        memo_key = ("lists", num_keys)
+        if memo_key not in self.memo:
+            seen, index = self._checked(num_keys)
+            self.memo[memo_key] = (index[:1] if self.index is None else index, seen.sum(-1))
+        return self.memo[memo_key]
+
+    def visible(self, num_keys: int) -> torch.Tensor:
+        """(T, S) bool over the first `num_keys` cache keys: key j is visible to row i. The
+        dense form the fused path masks with (the context, then ancestors and itself)."""
+        seen, index = self._checked(num_keys)
         # hidden slots go to an extra column, dropped after the scatter
         spill = torch.where(seen, index, num_keys)  # (T, Lp)
         dense = torch.zeros(self.num_rows, num_keys + 1, dtype=torch.bool, device=seen.device)
@@ -146,12 +168,27 @@ def row_exact_attention(
     value: torch.Tensor,  # (1, kv_heads, S, d)
     plan: RowPlan,
 ) -> tuple[torch.Tensor, None]:
+    """Every row over its own keys: the CPU row kernel where it is built, else SDPA with a
+    batch entry per row."""
+    scale = getattr(module, "scaling", None)
+    if row_kernel.supports(query, key):
+        index, counts = plan.key_lists(key.shape[2])
+        out = row_kernel.rows_attention(query[0].transpose(0, 1), key[0], value[0], index, counts,
+                                        query.shape[3] ** -0.5 if scale is None else scale)  # (T, heads, d)
+        return out.to(query.dtype)[None], None  # (1, T, heads, d)
+    return sdpa_rows_attention(query, key, value, plan, scale)
+
+
+def sdpa_rows_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: RowPlan, scale: float | None
+) -> tuple[torch.Tensor, None]:
+    """Row-exact attention through SDPA's flash kernel: each row its own batch entry over its
+    keys padded to whole BLOCKs, on one thread (the module doc)."""
     rows = query.shape[2]
     kv_heads, d = key.shape[1], query.shape[3]
     # Each row its own batch entry; the query heads sharing a KV head are its query length
     # (heads are grouped as HF's repeat_kv groups them): (T, kv, heads/kv, d).
     q = query[0].transpose(0, 1).view(rows, kv_heads, -1, d)
-    scale = getattr(module, "scaling", None)
     groups = []  # (first row, rows, keys, values, mask) per SDPA call
     if plan.prefix:  # causal prefixes: the cache itself, masked past each row's keys
         p, keys = plan.prefix, plan.prefix_keys

@@ -1,0 +1,90 @@
+"""The CPU row attention kernel (`kernels/row_attention.cpp`): build once, load, call.
+
+Row-exact attention (`attention.row_exact_attention`) runs every verified row as its own
+batch entry of SDPA's flash kernel, on one thread: ~35 us per row and layer, so each row a
+tree or a prompt lookup adds to a verify block costs ~1 ms of SmolLM2-135M's ~22 ms step.
+This kernel computes each row alone by construction (see the .cpp), reading the cache in
+place and using both cores: ~15 us a row at 320 keys, the decoding step included.
+
+It is compiled with the C++ compiler torch's extensions use (`torch.utils.cpp_extension`,
+ninja) the first time a process needs it (~20 s), into `$DRAFTLAB_CACHE/kernels/<digest>`
+keyed by the source, torch's version and this CPU's flags, so later processes load it in
+milliseconds. Where it cannot be built (no compiler), `load()` returns None once with a
+warning and row-exact attention keeps SDPA's kernel: both are row-exact, and one process
+uses one of them throughout. `DRAFTLAB_ROW_KERNEL=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from draftlab.models.presets import cache_dir
+
+SOURCE = Path(__file__).parent / "kernels" / "row_attention.cpp"
+HEAD_SIZES = (16, 32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float32)
+log = logging.getLogger(__name__)
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith("flags")), platform.processor())
+
+
+def build_dir() -> Path:
+    """Where this source, torch and CPU's build lives (a CPU with other flags builds anew:
+    the kernel is compiled for the machine it runs on)."""
+    key = "\n".join([SOURCE.read_text(), torch.__version__, platform.machine(), _cpu_flags()])
+    return cache_dir() / "kernels" / f"row_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@cache
+def load():
+    """The compiled extension, or None where it is turned off or cannot be built."""
+    if os.environ.get("DRAFTLAB_ROW_KERNEL", "1") == "0":
+        return None
+    from torch.utils import cpp_extension  # heavy, and only needed here
+
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    if not any(where.glob("*.so")):
+        log.info("building draftlab's CPU row attention kernel once (~20 s) in %s", where)
+    try:
+        return cpp_extension.load(
+            name="draftlab_row_attention", sources=[str(SOURCE)], build_directory=str(where),
+            extra_cflags=["-O3", "-march=native"], verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, ...: SDPA's kernel stays row-exact
+        log.warning("draftlab's CPU row attention kernel could not be built (%s: %s); verify rows "
+                    "use SDPA per row instead (slower per row, equally exact)", type(e).__name__, e)
+        return None
+
+
+def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the kernel covers this layer's tensors (CPU, bf16/float32, these head sizes)."""
+    return (query.device.type == "cpu" and key.dtype in DTYPES and key.shape[-1] in HEAD_SIZES
+            and load() is not None)
+
+
+def rows_attention(
+    query: torch.Tensor,  # (T, H, d)
+    key: torch.Tensor,  # (KV, S, d)
+    value: torch.Tensor,  # (KV, S, d)
+    index: torch.Tensor,  # (T or 1, W) int64: row r's keys are index[r, :counts[r]], in order
+    counts: torch.Tensor,  # (T,) int64
+    scale: float,
+) -> torch.Tensor:
+    """(T, H, d) float32: every row's attention over its own keys (see the module doc). The
+    caller checks the indices (`RowPlan.key_lists`): the kernel reads them unchecked."""
+    return load().rows_attention(query.float().contiguous(), key.contiguous(), value.contiguous(),
+                                 index.contiguous(), counts.contiguous(), float(scale))
