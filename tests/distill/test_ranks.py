@@ -5,7 +5,7 @@ import torch
 from draftlab.config import TargetSpec, TrainConfig
 from draftlab.distill.batching import collate
 from draftlab.distill.objective import DistillModule, loss_and_backward
-from draftlab.distill.ranks import conditional_rates, rank_acceptance
+from draftlab.distill.ranks import acceptance_rates, conditional_rates, rank_tables
 from draftlab.distill.worker import teacher_states
 from draftlab.models.drafters import init_drafter
 from draftlab.models.target import load_target
@@ -40,7 +40,7 @@ def test_depth1_rank0_equals_evaluated_agreement():
         opt.zero_grad()
     stats = loss_and_backward(module, drafter, batch, hidden, cfg, 3, backward=False)
     assert stats.accuracy[0] > 0.3
-    acc = rank_acceptance(drafter, tiny, rows, k=3, max_ranks=3, batch_size=2)
+    acc = acceptance_rates(rank_tables(drafter, tiny, rows, k=3, batch_size=2), max_ranks=3)
     assert len(acc) == 3 and all(len(row) == 3 for row in acc)
     assert all(0.0 <= a <= 1.0 for row in acc for a in row) and all(sum(row) <= 1.0 + 1e-9 for row in acc)
     assert abs(acc[0][0] - stats.accuracy[0]) < 1e-9

@@ -85,10 +85,3 @@ def acceptance_rates(tables: list[torch.Tensor], max_ranks: int) -> list[list[fl
     k = tables[0].shape[1] if tables else 1
     hits, reach = conditional_rates(torch.cat(tables) if tables else torch.zeros(0, k, dtype=torch.long), max_ranks)
     return [[float(hits[d, r]) / int(reach[d]) if reach[d] else 0.0 for r in range(max_ranks)] for d in range(k)]
-
-
-def rank_acceptance(
-    drafter: DrafterNet, target: Target, rows: list[dict], k: int, max_ranks: int = 4, **kw
-) -> list[list[float]]:
-    """(k, max_ranks) conditional acceptance rates acc[d][r] on held-out `rows`."""
-    return acceptance_rates(rank_tables(drafter, target, rows, k, **kw), max_ranks)

@@ -1,6 +1,6 @@
 """Pick the verification tree of a trained drafter by predicted speedup on this hardware.
 
-From the drafter's held-out conditional rank acceptance (`ranks.rank_acceptance`), the
+From the drafter's held-out conditional rank acceptance (`ranks.acceptance_rates`), the
 best tree for each node budget (`tree_search.best_tree`) is a candidate. Each candidate
 then replays the held-out responses round by round (`replay.py`), with the prompt lookups
 it will be served with when the spec says `+ngram`, paying the target's measured verify
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import torch
 
 from draftlab.config import DistillConfig, NgramSpec
 from draftlab.decoding.ngram import NgramStore, graft
@@ -52,8 +54,7 @@ def select_tree(
     with depth. With `ngram`, every candidate is scored with grafted prompt lookups (from
     the text, then from `store`) and the chosen tree carries them.
     """
-    tables = rank_tables(drafter, target, rows, k)
-    acc, extrapolated = _to_depth(acceptance_rates(tables, max_ranks), depth or k)
+    tables, acc, extrapolated = held_out_acceptance(drafter, target, rows, k, max_ranks, depth or k)
     tables = extrapolate(tables, acc)
     trees: dict[tuple, Tree] = {}
     for n in sorted(set(budgets)):
@@ -121,6 +122,16 @@ def _with_branch(tree: Tree, tokens: int):
     return graft(tree, nodes, [1] * tokens)[0]
 
 
+def held_out_acceptance(
+    drafter: DrafterNet, target: Target, rows: list[dict], k: int, max_ranks: int, depth: int
+) -> tuple[list[torch.Tensor], list[list[float]], int]:
+    """The drafter's per-row rank tables on held-out `rows` (`k` measured depths), their
+    conditional acceptance rates taken down to `depth`, and how many depths were added."""
+    tables = rank_tables(drafter, target, rows, k)
+    acc, extrapolated = _to_depth(acceptance_rates(tables, max_ranks), depth)
+    return tables, acc, extrapolated
+
+
 def _to_depth(acc: list[list[float]], depth: int) -> tuple[list[list[float]], int]:
     """`acc` with its last measured depth repeated down to `depth`, and how many were added."""
     extrapolated = max(0, depth - len(acc))
@@ -136,8 +147,8 @@ def save_acceptance(
     from draftlab.distill.worker import group_count
 
     rows = [evalset[i] for i in range(len(evalset))]
-    tables = rank_tables(drafter, target, rows, group_count(cfg))
-    acc, extrapolated = _to_depth(acceptance_rates(tables, cfg.bench.search_ranks), cfg.drafter.k)
+    _, acc, extrapolated = held_out_acceptance(drafter, target, rows, group_count(cfg), cfg.bench.search_ranks,
+                                               cfg.drafter.k)
     path = Path(out_dir) / "tree-search.json"
     path.write_text(
         json.dumps({"acceptance": acc, "extrapolated_depths": extrapolated}, indent=2) + "\n"

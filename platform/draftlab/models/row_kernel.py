@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -48,6 +49,22 @@ def build_dir() -> Path:
     return cache_dir() / "kernels" / f"row_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def _find_ninja() -> None:
+    """torch runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it next to this
+    interpreter, which is not on PATH when a venv's python runs without activation."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extensions build with (`$CXX`, else `c++`), if installed."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 @cache
 def load():
     """The compiled extension, or None where it is turned off or cannot be built."""
@@ -55,6 +72,7 @@ def load():
         return None
     from torch.utils import cpp_extension  # heavy, and only needed here
 
+    _find_ninja()
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
