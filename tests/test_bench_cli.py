@@ -34,8 +34,10 @@ def check_contract(report: dict, prompts: int, max_new: int) -> None:
 
 def test_bench_writes_contract_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--target", "tiny-llama", "--drafter", "init:parallel", "--limit", "3",
-               "--max-new-tokens", "24", "--json", str(out)])
+    # float32: in bf16 this random tiny target has exact logit ties, which HF's SDPA and our
+    # row kernel round apart (HF `generate` vs `ar`); in float32 every method agrees
+    rc = main(["bench", "--target", "tiny-llama", "--dtype", "float32", "--drafter", "init:parallel",
+               "--limit", "3", "--max-new-tokens", "24", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     check_contract(report, prompts=3, max_new=24)

@@ -44,6 +44,7 @@ PROMPTS = [
     "Name two planets with rings.",
 ]
 MAX_NEW = 12
+TIE = 0.125  # logits apart by a few bf16 ulps: a near-tie two numeric paths may break either way
 TINY = TargetSpec(name="tiny-llama")
 
 
@@ -223,9 +224,20 @@ def test_generated_columns_and_shapes(generated, tiny):
 
 
 def test_responses_are_greedy_target_decoding(generated, tiny):
+    """Every response token is the target's argmax given the text before it. Batched,
+    left-padded HF `generate` and one-sequence decoding round differently, and this bf16
+    target has exact ties ("List three prime numbers.": two tokens at 4.5625 after the
+    first), so a token may also be within TIE of the best; most rows equal our decoding."""
+    same = 0
     for row in samples(generated):
-        ref = autoregressive_generate(tiny, row["input_ids"][: row["prompt_len"]], SamplingParams(max_new_tokens=MAX_NEW))
-        assert row["input_ids"][row["prompt_len"] :] == ref.tokens, row["prompt"]
+        ids, start = torch.tensor(row["input_ids"]), row["prompt_len"]
+        logits, _ = tiny.forward(ids, torch.arange(len(ids)), tiny.new_cache())  # (T, V)
+        step = logits[start - 1 : -1]  # (N, V): the logits each response token was chosen from
+        gap = step.max(-1).values - step.gather(1, ids[start:, None])[:, 0]  # (N,)
+        assert float(gap.max()) <= TIE, (row["prompt"], gap.tolist())
+        ref = autoregressive_generate(tiny, row["input_ids"][:start], SamplingParams(max_new_tokens=MAX_NEW))
+        same += row["input_ids"][start:] == ref.tokens
+    assert same >= len(samples(generated)) * 3 // 4
 
 
 def test_hidden_matches_target_forward(generated, tiny):

@@ -25,7 +25,7 @@ Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
 Where it builds (`row_kernel.py`), a CPU kernel of draftlab's own replaces those SDPA calls:
 it computes each row over its own keys in the cache in place, by a fixed sequence of float32
 operations, so rows are exact by construction (no padding, gathering or single thread), at
-~15 us a row and layer on two cores against SDPA's ~35 us on one. The SDPA form above stays
+~9 us a row and layer on two cores against SDPA's ~35 us on one. The SDPA form above stays
 as the fallback where no compiler is at hand; a process uses one of the two throughout.
 
 Row-exact is a CPU (oneDNN) measure. On CUDA the same `RowPlan` goes through one fused kernel

@@ -4,7 +4,7 @@ Row-exact attention (`attention.row_exact_attention`) runs every verified row as
 batch entry of SDPA's flash kernel, on one thread: ~35 us per row and layer, so each row a
 tree or a prompt lookup adds to a verify block costs ~1 ms of SmolLM2-135M's ~22 ms step.
 This kernel computes each row alone by construction (see the .cpp), reading the cache in
-place and using both cores: ~15 us a row at 320 keys, the decoding step included.
+place and using both cores: ~9 us a row at 320 keys, the decoding step included.
 
 It is compiled with the C++ compiler torch's extensions use (`torch.utils.cpp_extension`,
 ninja) the first time a process needs it (~20 s), into `$DRAFTLAB_CACHE/kernels/<digest>`

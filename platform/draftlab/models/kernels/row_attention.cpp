@@ -71,61 +71,95 @@ static inline f16v exp_nonpos(f16v x) {
   return p * scale;
 }
 
-template <typename T, int C>
+// One task = one row and HB query heads of one KV head: the heads share every K and V
+// row the task loads and converts; each head's arithmetic is its own fixed sequence.
+template <typename T, int C, int HB>
 static void rows_kernel(const float* q, const T* k, const T* v, const int64_t* idx, const int64_t* cnt,
                         float* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t keys,
                         int64_t stride, float scale) {
   constexpr int64_t D = 16 * C;
-  const int64_t G = heads / kv_heads;
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t G = heads / kv_heads, chunks = G / HB, per_row = kv_heads * chunks;
+  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;
+    f16v a[HB][16];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / heads, h = task % heads, g = h / G;
+      const int64_t r = task / per_row, g = (task % per_row) / chunks;
+      const int64_t h0 = g * G + (task % chunks) * HB;  // first query head of this task
       const int64_t n = cnt[r];
       const int64_t npad = (n + 15) / 16 * 16;
       const int64_t* ix = idx + r * stride;  // stride 0: every row reads one index row
       const T* kb = k + g * keys * D;
       const T* vb = v + g * keys * D;
-      f16v qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = load(q + task * D + c * 16) * scale;
-      s.resize(npad);
-      f16v mx = f16v{} - INFINITY;
+      f16v qv[HB][C];
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) qv[h][c] = load(q + (r * heads + h0 + h) * D + c * 16) * scale;
+      s.resize(HB * npad);
+      f16v mx[HB];
+      for (int h = 0; h < HB; ++h) mx[h] = f16v{} - INFINITY;
       for (int64_t j0 = 0; j0 < npad; j0 += 16) {
-        f16v a[16];
         for (int l = 0; l < 16; ++l) {
           if (j0 + l < n) {
             const T* kj = kb + ix[j0 + l] * D;
-            f16v x = qv[0] * load(kj);
-            for (int c = 1; c < C; ++c) x += qv[c] * load(kj + c * 16);
-            a[l] = x;
+            f16v kc[C];
+            for (int c = 0; c < C; ++c) kc[c] = load(kj + c * 16);
+            for (int h = 0; h < HB; ++h) {
+              f16v x = qv[h][0] * kc[0];
+              for (int c = 1; c < C; ++c) x += qv[h][c] * kc[c];
+              a[h][l] = x;
+            }
           } else {
-            a[l] = f16v{} - INFINITY;  // past the row's keys: -inf after the sum
+            for (int h = 0; h < HB; ++h) a[h][l] = f16v{} - INFINITY;  // past the row's keys
           }
         }
-        const f16v sc = sum16(a);
-        store(s.data() + j0, sc);
-        mx = sc > mx ? sc : mx;
+        for (int h = 0; h < HB; ++h) {
+          const f16v sc = sum16(a[h]);
+          store(s.data() + h * npad + j0, sc);
+          mx[h] = sc > mx[h] ? sc : mx[h];
+        }
       }
-      const float m = [&] { float r2[16]; std::memcpy(r2, &mx, sizeof(r2)); float x = r2[0]; for (int l = 1; l < 16; ++l) x = r2[l] > x ? r2[l] : x; return x; }();
-      f16v tot = {0};
-      for (int64_t j0 = 0; j0 < npad; j0 += 16) {
-        f16v sc = load(s.data() + j0);
-        f16v e = exp_nonpos(sc - m);
-        e = sc == -INFINITY ? f16v{} : e;
-        store(s.data() + j0, e);
-        tot += e;
+      float total[HB];
+      for (int h = 0; h < HB; ++h) {
+        float r2[16];
+        std::memcpy(r2, &mx[h], sizeof(r2));
+        float m = r2[0];
+        for (int l = 1; l < 16; ++l) m = r2[l] > m ? r2[l] : m;
+        f16v tot = {0};
+        float* sh = s.data() + h * npad;
+        for (int64_t j0 = 0; j0 < npad; j0 += 16) {
+          const f16v sc = load(sh + j0);
+          f16v e = exp_nonpos(sc - m);
+          e = sc == -INFINITY ? f16v{} : e;
+          store(sh + j0, e);
+          tot += e;
+        }
+        total[h] = hsum(tot);
       }
-      const float total = hsum(tot);
-      f16v acc[C];
-      for (int c = 0; c < C; ++c) acc[c] = f16v{};
+      f16v acc[HB][C];
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) acc[h][c] = f16v{};
       for (int64_t j = 0; j < n; ++j) {
-        const float p = s[j];
         const T* vj = vb + ix[j] * D;
-        for (int c = 0; c < C; ++c) acc[c] += p * load(vj + c * 16);
+        f16v vc[C];
+        for (int c = 0; c < C; ++c) vc[c] = load(vj + c * 16);
+        for (int h = 0; h < HB; ++h) {
+          const float p = s[h * npad + j];
+          for (int c = 0; c < C; ++c) acc[h][c] += p * vc[c];
+        }
       }
-      for (int c = 0; c < C; ++c) store(out + task * D + c * 16, acc[c] / total);
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < C; ++c) store(out + (r * heads + h0 + h) * D + c * 16, acc[h][c] / total[h]);
     }
   });
+}
+
+template <typename T, int C>
+static void by_group(const float* q, const T* k, const T* v, const int64_t* idx, const int64_t* cnt, float* out,
+                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t keys, int64_t stride, float scale) {
+  const int64_t G = heads / kv_heads;  // query heads per KV head, shared out in tasks of HB
+  if (G % 4 == 0) rows_kernel<T, C, 4>(q, k, v, idx, cnt, out, rows, heads, kv_heads, keys, stride, scale);
+  else if (G % 3 == 0) rows_kernel<T, C, 3>(q, k, v, idx, cnt, out, rows, heads, kv_heads, keys, stride, scale);
+  else if (G % 2 == 0) rows_kernel<T, C, 2>(q, k, v, idx, cnt, out, rows, heads, kv_heads, keys, stride, scale);
+  else rows_kernel<T, C, 1>(q, k, v, idx, cnt, out, rows, heads, kv_heads, keys, stride, scale);
 }
 
 template <typename T>
@@ -136,10 +170,10 @@ static void dispatch(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, torch
          out.data_ptr<float>(), T_, H, KV, S, W, scale);
   };
   switch (D) {
-    case 16: args(rows_kernel<T, 1>); break;
-    case 32: args(rows_kernel<T, 2>); break;
-    case 64: args(rows_kernel<T, 4>); break;
-    case 128: args(rows_kernel<T, 8>); break;
+    case 16: args(by_group<T, 1>); break;
+    case 32: args(by_group<T, 2>); break;
+    case 64: args(by_group<T, 4>); break;
+    case 128: args(by_group<T, 8>); break;
     default: TORCH_CHECK(false, "row attention supports head sizes 16, 32, 64, 128, got ", D);
   }
 }
@@ -149,6 +183,7 @@ static void dispatch(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, torch
 // All contiguous (checked by the caller).
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
                              torch::Tensor cnt, double scale) {
+  TORCH_CHECK(q.size(1) % k.size(0) == 0, "query heads (", q.size(1), ") must be a multiple of KV heads (", k.size(0), ")");
   if (idx.size(0) == 1) idx = idx.expand({q.size(0), idx.size(1)});  // stride 0
   auto out = torch::empty_like(q);
   if (k.scalar_type() == at::kBFloat16) dispatch<at::BFloat16>(q, k, v, idx, cnt, out, (float)scale);
