@@ -54,7 +54,7 @@ def select_tree(
     with depth. With `ngram`, every candidate is scored with grafted prompt lookups (from
     the text, then from `store`) and the chosen tree carries them.
     """
-    tables, acc, extrapolated = held_out_acceptance(drafter, target, rows, k, max_ranks, depth or k)
+    tables, acc, extrapolated = _held_out_acceptance(drafter, target, rows, k, max_ranks, depth or k)
     tables = extrapolate(tables, acc)
     trees: dict[tuple, Tree] = {}
     for n in sorted(set(budgets)):
@@ -122,7 +122,7 @@ def _with_branch(tree: Tree, tokens: int):
     return graft(tree, nodes, [1] * tokens)[0]
 
 
-def held_out_acceptance(
+def _held_out_acceptance(
     drafter: DrafterNet, target: Target, rows: list[dict], k: int, max_ranks: int, depth: int
 ) -> tuple[list[torch.Tensor], list[list[float]], int]:
     """The drafter's per-row rank tables on held-out `rows` (`k` measured depths), their
@@ -147,7 +147,7 @@ def save_acceptance(
     from draftlab.distill.worker import group_count
 
     rows = [evalset[i] for i in range(len(evalset))]
-    _, acc, extrapolated = held_out_acceptance(drafter, target, rows, group_count(cfg), cfg.bench.search_ranks,
+    _, acc, extrapolated = _held_out_acceptance(drafter, target, rows, group_count(cfg), cfg.bench.search_ranks,
                                                cfg.drafter.k)
     path = Path(out_dir) / "tree-search.json"
     path.write_text(

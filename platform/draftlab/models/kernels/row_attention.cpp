@@ -36,6 +36,12 @@ static inline float hsum(f16v a) {
   for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
+static inline float hmax(f16v a) {
+  float r[16]; std::memcpy(r, &a, sizeof(r));
+  float m = r[0];
+  for (int l = 1; l < 16; ++l) m = r[l] > m ? r[l] : m;
+  return m;
+}
 // Lane sums of 16 vectors: out[l] = sum of a[l]'s lanes, by the same fixed tree for every l.
 static inline f16v sum16(f16v* a) {
   const i16v lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -54,7 +60,7 @@ static inline f16v sum16(f16v* a) {
 }
 // exp(x) for x <= 0 on 16 lanes: the same float operations in every lane.
 static inline f16v exp_nonpos(f16v x) {
-  const f16v lo = x - x - 87.0f;
+  const f16v lo = f16v{} - 87.0f;
   x = x < lo ? lo : x;
   f16v t = x * 1.44269504088896341f + 0.5f;
   f16v n = __builtin_convertvector(__builtin_convertvector(t, i16v), f16v);
@@ -119,10 +125,7 @@ static void rows_kernel(const float* q, const T* k, const T* v, const int64_t* i
       }
       float total[HB];
       for (int h = 0; h < HB; ++h) {
-        float r2[16];
-        std::memcpy(r2, &mx[h], sizeof(r2));
-        float m = r2[0];
-        for (int l = 1; l < 16; ++l) m = r2[l] > m ? r2[l] : m;
+        const float m = hmax(mx[h]);
         f16v tot = {0};
         float* sh = s.data() + h * npad;
         for (int64_t j0 = 0; j0 < npad; j0 += 16) {
