@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
+from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
 from draftlab.data import selfdistill
 from draftlab.data.selfdistill import (
     cache_path,
@@ -276,7 +276,8 @@ def test_cache_is_reused_without_generation(generated, data_cfg, tiny, monkeypat
 def test_cache_key_tracks_results_not_resources(data_cfg, tmp_path):
     key = dataset_key(data_cfg, "fp-a")
     assert dataset_key(data_cfg, "fp-b") != key
-    for change in [{"max_new_tokens": 7}, {"temperature": 0.5}, {"top_p": 0.9}, {"store_features": False}, {"eval_fraction": 0.1}]:
+    for change in [{"max_new_tokens": 7}, {"temperature": 0.5}, {"top_p": 0.9}, {"store_features": False}, {"eval_fraction": 0.1},
+                   {"generator": "vllm"}]:
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") != key, change
     source = data_cfg.source.model_copy(update={"num_prompts": 5})
     assert dataset_key(data_cfg.model_copy(update={"source": source}), "fp-a") != key
@@ -284,6 +285,19 @@ def test_cache_key_tracks_results_not_resources(data_cfg, tmp_path):
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") == key, change
     moved = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
     assert cache_path(moved, "fp-a") == tmp_path / key
+
+
+def test_a_missing_vllm_writer_is_a_config_error_before_any_work(data_cfg, tmp_path, monkeypatch):
+    from draftlab import vllm_offline
+
+    def not_installed():  # this environment has vLLM: the import failure is simulated
+        raise ImportError("vLLM is not installed (No module named 'vllm'); install the vllm extra")
+
+    monkeypatch.setattr(vllm_offline, "require_vllm", not_installed)
+    data = data_cfg.model_copy(update={"generator": "vllm", "cache_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"data.generator=vllm: vLLM is not installed.*data.generator=hf"):
+        load_or_generate(data, TINY, progress=False)
+    assert not (cache_path(data, "x").parent / "prompts").exists()  # nothing written
 
 
 def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny, tmp_path):

