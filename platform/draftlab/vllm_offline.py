@@ -200,25 +200,20 @@ class VllmEngine:
         self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
         seed: int | None = None,
     ) -> VllmRun:
-        """Decode one prompt of token ids (greedy at temperature 0); stops at EOS."""
-        from vllm import SamplingParams, TokensPrompt
-
+        """Decode one prompt of token ids (greedy at temperature 0), timed, with its
+        speculative counters; stops at EOS."""
         if self.llm is None:
             raise RuntimeError("VllmEngine.generate outside `with VllmEngine(...)`")
-        params = SamplingParams(
-            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            ignore_eos=False, detokenize=False,
-        )
         before = read_counters(self.llm.get_metrics())
         t0 = time.perf_counter()
-        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
+        (tokens,) = self.generate_many([prompt], max_new_tokens, temperature=temperature, top_p=top_p, seeds=[seed])
         seconds = time.perf_counter() - t0
         spec = read_counters(self.llm.get_metrics()) - before
-        return VllmRun(list(out.outputs[0].token_ids), seconds, spec)
+        return VllmRun(tokens, seconds, spec)
 
     def generate_many(
         self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-        seeds: list[int] | None = None, stop_token_ids: list[int] | None = None,
+        seeds: list[int | None] | None = None, stop_token_ids: list[int] | None = None,
     ) -> list[list[int]]:
         """Decode prompts of token ids together (vLLM batches up to `max_num_seqs`): the new
         ids of each, in order, the stopping token included. Greedy at temperature 0; prompt

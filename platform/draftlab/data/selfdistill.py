@@ -185,16 +185,23 @@ def generate_responses(
     eos = sorted(target.eos_token_ids)
     if writer is not None:
         seeds = [seed + i for i in range(len(prompt_ids))] if data.temperature > 0 else None
-        out = writer.generate_many(prompt_ids, data.max_new_tokens, temperature=data.temperature, top_p=data.top_p,
-                                   seeds=seeds, stop_token_ids=eos)
-        return [_cut_after_eos(r, set(eos)) for r in out]
+        rows = writer.generate_many(prompt_ids, data.max_new_tokens, temperature=data.temperature, top_p=data.top_p,
+                                    seeds=seeds, stop_token_ids=eos)
+    else:
+        rows = _hf_responses(target, prompt_ids, data, seed, eos)
+    stop = set(eos)
+    return [_cut_after_eos(r, stop) for r in rows]
+
+
+def _hf_responses(target, prompt_ids: list[list[int]], data: DataConfig, seed: int, eos: list[int]) -> list[list[int]]:
+    """HF `generate`'s new ids per prompt (padding after EOS included), left-padded batches."""
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     mode = {}
     if data.temperature > 0:  # our sampler in the greedy loop: fast on CPU
         mode = dict(logits_processor=LogitsProcessorList([TopKTopPSampler(data.temperature, data.top_p)]))
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
-    responses: list[list[int]] = []
+    rows: list[list[int]] = []
     for start in range(0, len(prompt_ids), data.batch_size):
         chunk = prompt_ids[start : start + data.batch_size]
         width = max(map(len, chunk))
@@ -214,8 +221,8 @@ def generate_responses(
                 do_sample=False,
                 **mode,
             )  # (B, W + new)
-        responses += [_cut_after_eos(r, set(eos)) for r in out[:, width:].tolist()]
-    return responses
+        rows += out[:, width:].tolist()
+    return rows
 
 
 @torch.inference_mode()
