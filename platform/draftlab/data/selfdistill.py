@@ -16,8 +16,9 @@ Cache layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
 
 `<key>` hashes everything that changes the samples: the target's weights fingerprint, the
 prompt source (and the size/mtime of local source files), max_new_tokens, temperature,
-top_p, store_features, aux_layers, eval_fraction and the generator (`hf` or `vllm`). Batch size, actor count, shard size and device are
-left out on purpose: they change speed, not results, except that batched left-padded
+top_p, store_features, aux_layers, eval_fraction and the writers of prompts and responses
+(`hf` or `vllm`). Batch size, actor count, shard size and device are left out on purpose:
+they change speed, not results, except that batched left-padded
 generation can flip a near-tied greedy argmax through padding numerics (and GPU/CPU kernels
 differ slightly too). We accept that rather than invalidate caches on a resource change.
 """
@@ -82,8 +83,13 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
         "store_features": data.store_features,
         "eval_fraction": data.eval_fraction,
     } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {}) | (  # older keys stay valid
-        {"generator": data.generator} if data.generator != "hf" else {}
+        {"generator": data.generator, "prompt_generator": data.prompt_generator} if _writers(data) != {"hf"} else {}
     )
+
+
+def _writers(data: DataConfig) -> set[str]:
+    """The generators `data` starts (magpie prompts, then responses)."""
+    return {data.generator} | ({data.prompt_generator} if data.source.kind == "magpie" else set())
 
 
 def _digest(inputs: dict) -> str:
@@ -160,10 +166,11 @@ def _cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def open_writer(data: DataConfig, target) -> contextlib.AbstractContextManager:
-    """The vLLM engine that writes prompts and responses for `data.generator == "vllm"`, on
-    `target`'s weights; None for `hf` (the target's own `generate` writes them)."""
-    if data.generator == "hf":
+def open_writer(data: DataConfig, target, generator: str) -> contextlib.AbstractContextManager:
+    """The vLLM engine on `target`'s weights when `generator` (`data.generator` for the
+    responses, `data.prompt_generator` for magpie prompts) is `vllm`; None for `hf` (the
+    target's own `generate` writes them)."""
+    if generator == "hf":
         return contextlib.nullcontext(None)
     from draftlab.export import vllm_target_dir
     from draftlab.vllm_offline import VllmEngine
@@ -232,18 +239,21 @@ def target_features(target, sequences: list[list[int]], batch_size: int, aux_lay
     sequence, as float16 arrays of shape (T, (len(aux_layers) + 1) * H).
 
     Sequences are right-padded and run without an attention mask: attention is causal, so
-    no real position ever sees the padding after it.
+    no real position ever sees the padding after it. Batches are cut from the sequences
+    sorted by length, so little of each forward is padding.
     """
     pad = target.tokenizer.pad_token_id or 0
-    out: list[np.ndarray] = []
-    for start in range(0, len(sequences), batch_size):
-        chunk = sequences[start : start + batch_size]
-        ids = torch.full((len(chunk), max(map(len, chunk))), pad, dtype=torch.long)  # (B, W)
-        for row, seq in enumerate(chunk):
-            ids[row, : len(seq)] = torch.tensor(seq)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: list[np.ndarray | None] = [None] * len(sequences)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        ids = torch.full((len(chunk), max(len(sequences[i]) for i in chunk)), pad, dtype=torch.long)  # (B, W)
+        for row, i in enumerate(chunk):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
         hidden = target.run_decoder(tuple(aux_layers), input_ids=ids.to(target.device), use_cache=False)  # (B, W, F)
         hidden = hidden.float().clamp(-_FP16_MAX, _FP16_MAX).half().cpu()
-        out += [hidden[row, : len(seq)].numpy() for row, seq in enumerate(chunk)]  # (T, F) each
+        for row, i in enumerate(chunk):
+            out[i] = hidden[row, : len(sequences[i])].numpy()  # (T, F)
     return out
 
 
@@ -282,7 +292,7 @@ class ShardGenerator:
         self.work_dir = Path(work_dir)
         self.target = load_target(TargetSpec.model_validate(target_spec))
         self._stack = contextlib.ExitStack()
-        self.writer = self._stack.enter_context(open_writer(self.data, self.target))
+        self.writer = self._stack.enter_context(open_writer(self.data, self.target, self.data.generator))
 
     def __del__(self):
         stack = getattr(self, "_stack", None)
@@ -357,8 +367,8 @@ def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
     inputs = {name: keys[name] for name in ("format", "target", "source", "source_files")}
     magpie = data.source.kind == "magpie"
     inputs["magpie_batch_size"] = data.batch_size if magpie else None
-    if magpie and data.generator != "hf":  # older keys stay valid
-        inputs["generator"] = data.generator
+    if magpie and data.prompt_generator != "hf":  # older keys stay valid
+        inputs["generator"] = data.prompt_generator
     return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
 
 
@@ -370,7 +380,7 @@ def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:
         logger.info("prompts: reusing %s", cached)
         return json.loads(cached.read_text())
     writes = data.source.kind == "magpie"  # the target writes magpie prompts
-    with open_writer(data, target) if writes else contextlib.nullcontext(None) as writer:
+    with open_writer(data, target, data.prompt_generator) if writes else contextlib.nullcontext(None) as writer:
         prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
                                            writer=writer)
     _write_json_atomic(cached, prompts)
@@ -518,13 +528,14 @@ def training_view(ds: datasets.Dataset | datasets.DatasetDict):
 
 def _check_generator(data: DataConfig) -> None:
     """Fail before any work (and not inside an actor) when the chosen writer is missing."""
-    if data.generator == "vllm":
+    if "vllm" in _writers(data):
         from draftlab.vllm_offline import require_vllm
 
+        field = "generator" if data.generator == "vllm" else "prompt_generator"
         try:
             require_vllm()
         except ImportError as e:
-            raise ConfigError(f"data.generator=vllm: {e}; or set data.generator=hf") from None
+            raise ConfigError(f"data.{field}=vllm: {e}; or set data.{field}=hf") from None
 
 
 def load_or_generate(
