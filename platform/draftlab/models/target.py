@@ -94,7 +94,7 @@ class Target:
             rows = attention.RowPlan.build(rows, self.device)
         extra = {} if rows is None else {"draftlab_rows": rows}
         feats = self.run_decoder(
-            aux_layers, input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True, **extra
+            aux_layers, input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=True, **extra
         )[0]  # (T, F)
         return self.lm_head(feats[:, -self.hidden_size :]).float(), feats
 
@@ -122,7 +122,7 @@ class Target:
         ids = torch.cat([i for i, *_ in items])
         positions = torch.cat([p for _, p, *_ in items])
         feats = self.run_decoder(aux_layers, input_ids=ids[None], position_ids=positions[None],
-                                 past_key_values=stacked, use_cache=True, draftlab_rows=plan)[0]  # (sum T_i, F)
+                                 cache=stacked, use_cache=True, draftlab_rows=plan)[0]  # (sum T_i, F)
         logits = self.lm_head(feats[:, -self.hidden_size :]).float()
         return list(zip(logits.split(lengths), feats.split(lengths), strict=True))
 

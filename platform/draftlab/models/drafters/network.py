@@ -159,7 +159,7 @@ class DrafterNet(nn.Module):
             inputs_embeds=x,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            cache=cache,
             use_cache=cache is not None,
         )
         return out.last_hidden_state
@@ -223,12 +223,22 @@ class DrafterNet(nn.Module):
         return torch.where((mask_idx >= 0)[..., None], m, x)  # (B, M, D)
 
     def step(self, state: DraftState, x: torch.Tensor) -> torch.Tensor:
-        """Append (n, D) inputs at the next positions of `state`; return (n, H) outputs."""
-        n = x.shape[0]
+        """Append (n, D) inputs at the next positions of `state`; return (n, H) outputs.
+
+        The same layers as `forward`, called directly: `LlamaModel.forward`'s wrappers, mask
+        builder and output object cost about as much as the layer itself at these few rows
+        (tests: equal to `forward` over the whole sequence, round after round)."""
+        n, past = x.shape[0], state.cache.get_seq_length()
         pos = torch.arange(state.pos, state.pos + n, device=x.device)[None]  # (1, n)
-        h = self(x[None], pos, cache=state.cache)[0]  # (n, H)
+        # Each new row sees the cache and the new rows up to itself. SDPA's own causal flag
+        # aligns top-left, so rows after a cache need this mask; one row or no cache do not.
+        mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)[None, None] if n > 1 and past else None
+        h = x[None]  # (1, n, D)
+        rope = self.decoder.rotary_emb(h, position_ids=pos)
+        for layer in self.decoder.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos, cache=state.cache, use_cache=True)
         state.pos += n
-        return h
+        return self.decoder.norm(h)[0]  # (n, H)
 
     # -- per-request API ---------------------------------------------------------------
     def new_state(self, first_position: int = 1) -> DraftState:
