@@ -138,6 +138,24 @@ def test_bench_searched_tree_comes_from_the_drafters_measured_acceptance(tmp_pat
     assert load_tree(report["tree"]).paths == best_tree(acc, 4).paths
 
 
+def test_bench_compares_more_trees_side_by_side(tmp_path, tiny):
+    from draftlab.models.drafters import init_drafter
+
+    saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
+    (saved / "tree-search.json").write_text(json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]}))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "2", "--max-new-tokens", "12",
+               "--methods", "ar", "--trees", "searched-4@2+ngram,small-6@3", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == ["ar", "draftlab_tree:searched-4@2+ngram", "draftlab_tree:small-6@3"]
+    assert report["greedy_identical"] is True
+    ar = report["methods"]["ar"]["tokens_per_s"]
+    for m in report["methods"].values():
+        assert m["greedy_match_rate"] == 1.0
+        assert m["speedup_vs_ar"] == pytest.approx(m["tokens_per_s"] / ar)
+
+
 def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, capsys):
     from draftlab.models.drafters import init_drafter
 
@@ -151,6 +169,7 @@ def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, c
     "args,msg",
     [
         (["--tree", "nope"], "unknown tree 'nope'"),
+        (["--trees", "default@0"], "per_round must be >= 1"),
         (["--drafter", "init:medusa"], "unknown drafter family 'medusa'"),
         (["--k", "0"], "k: Input should be greater than or equal to 1"),
         (["--prompts", "/no/such.jsonl"], "prompt file not found"),

@@ -146,6 +146,11 @@ def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_pat
 
     assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
     assert drafted(k=3) == 3  # --k wins
+    # a per-round tree reaches its pool's depth only in sure rounds: as deep as the best static tree its size
+    pool = [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
+    (saved / "tree.json").write_text(json.dumps({"paths": pool, "per_round": 2}))
+    (saved / "tree-search.json").write_text(json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1], [0.2, 0.1]]}))
+    assert drafted() == 2  # best 2-node tree under these rates: [[0], [0, 0]]
 
 
 def test_vllm_method_without_vllm_is_a_clear_error(target_dir, monkeypatch, capsys):

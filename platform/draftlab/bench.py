@@ -28,7 +28,7 @@ from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramStore
-from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.tree import NGRAM, PER_ROUND, Tree, load_tree, split_ngram, split_per_round
 from draftlab.decoding.tree_search import searched_budget
 from draftlab.hardware import describe_device, sync
 from draftlab.models.drafters.network import DrafterNet, resolve_drafter
@@ -137,21 +137,33 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Load the target (and drafter) named in `cfg`, run every method, return the report."""
     target = load_target(cfg.target)
     drafter = None
-    if cfg.drafter is not None and any(m.startswith("draftlab_") or m == "vllm_draftlab" for m in cfg.methods):
+    if cfg.drafter is not None and (cfg.trees or any(m.startswith("draftlab_") or m == "vllm_draftlab" for m in cfg.methods)):
         saved = _drafter_dir(cfg)
         if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
             cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
-        budget = searched_budget(cfg.tree)
-        if budget:  # the drafter's own best n-node tree, from its measured rank acceptance
-            if saved is None:
-                raise ValueError(f"tree {cfg.tree!r} needs a saved drafter directory (its tree-search.json)")
-            from draftlab.distill.tree_select import searched_tree_file
-
-            cfg = cfg.model_copy(update={"tree": str(searched_tree_file(saved, budget))})
+        cfg = cfg.model_copy(update={"tree": _searched_file(cfg.tree, saved)})
+        named = {spec: load_tree(_searched_file(spec, saved)) for spec in cfg.trees}
         k = cfg.k or 4
         depth_needed = load_tree(cfg.tree or "default").depth if set(TREE_METHODS) & set(cfg.methods) else k
+        depth_needed = max([depth_needed, *(t.depth for t in named.values())])
         drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)
+        return bench_loaded(target, drafter, cfg, progress, trees=named)
     return bench_loaded(target, drafter, cfg, progress)
+
+
+def _searched_file(spec: str | None, saved: Path | None) -> str | None:
+    """A `searched-<n>` spec (any `@m` / `+ngram` suffix kept) as the saved drafter's own best
+    n-node tree file (from its measured rank acceptance); other specs as they are."""
+    base, ngram = split_ngram(spec or "")
+    base, per_round = split_per_round(base)
+    budget = searched_budget(base)
+    if not budget:
+        return spec
+    if saved is None:
+        raise ValueError(f"tree {spec!r} needs a saved drafter directory (its tree-search.json)")
+    from draftlab.distill.tree_select import searched_tree_file
+
+    return str(searched_tree_file(saved, budget)) + (f"{PER_ROUND}{per_round}" if per_round is not None else "") + (NGRAM if ngram else "")
 
 
 def _drafter_dir(cfg: BenchConfig) -> Path | None:

@@ -134,7 +134,9 @@ class VllmBenchSpec(StrictModel):
     enforce_eager: bool = True
     """Skip vLLM's torch.compile warm-up. Measured for SmolLM2-135M on 2 CPU cores: start-up
     ~15-40 s eager vs ~60-90 s compiled (vLLM 0.29's compile cache fails to reload with torch
-    2.13, so every start compiles), decoding ~12% slower (24.5 vs 28 tok/s)."""
+    2.13, so every start compiles), decoding ~12% slower (24.5 vs 28 tok/s). Compiled, the
+    long config's drafter gained no more than eager: `vllm_draftlab` and `vllm_ngram` both
+    1.19x `vllm_ar` (30.1 tok/s; eager runs that hour: 1.21-1.23x at 23-24 tok/s)."""
     max_model_len: int = Field(2048, ge=16)
     """Longest prompt + completion an engine accepts (sizes its KV cache)."""
     ngram_min: int = Field(2, ge=1)
@@ -176,7 +178,11 @@ class BenchConfig(StrictModel):
     """Tree for `draftlab_tree`: a preset name, `chain-<k>`, `searched-<n>` (the saved
     drafter's best n-node tree under its `tree-search.json` acceptance), or a JSON file of
     rank paths; None = the drafter directory's `tree.json` (written by `draftlab distill`),
-    else `default`."""
+    else `default`. `@n` after it verifies n of its nodes per round (the drafter's likeliest),
+    `+ngram` grafts prompt lookups."""
+    trees: list[str] = Field(default_factory=list)
+    """More trees (the same forms as `tree`), benched side by side with the methods, one
+    `draftlab_tree:<spec>` method each."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     """0 = greedy (the only mode in which `greedy_identical` is checked)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -565,6 +571,11 @@ class BenchSpec(StrictModel):
     """`searched`: top-R drafter tokens per depth that tree nodes may use."""
     search_context: int = Field(192, ge=1)
     """`searched`: cached context length at which verify and drafting costs are timed."""
+    per_round_pool: int | None = Field(16, ge=2)
+    """`searched`: also bench the searched tree's node count verified per round out of the
+    best `per_round_pool`-node tree (`searched-<pool>@<n>`: each round the n nodes the
+    drafter rates likeliest, `Tree.per_round`), with the same lookups; served if it measures
+    faster. None = static trees only."""
     methods: list[str] = Field(default_factory=lambda: ["ar", "draftlab_chain", "draftlab_tree"])
     """Bench methods to run."""
     chain_depth: Literal["k", "tree"] | int = "k"

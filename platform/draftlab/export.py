@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from draftlab.config import TargetSpec
 from draftlab.decoding.tree import load_tree
+from draftlab.decoding.tree_search import best_tree
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
@@ -126,11 +127,17 @@ def served_draft_length(drafter_dir: str | Path) -> int:
     engine serves it with (`tree.json`, chosen from its held-out acceptance and the measured
     verify costs), at most its trained K; K when it has none. vLLM drafts and verifies every
     position up to `num_speculative_tokens`, so positions that tree search left out (a deep
-    slot accepted a few times in a hundred) would cost a verified row each for nothing."""
+    slot accepted a few times in a hundred) would cost a verified row each for nothing. A
+    `per_round` tree counts as the best static tree of its node count (its `tree-search.json`)."""
     drafter_dir = Path(drafter_dir)
     k = json.loads((drafter_dir / "config.json").read_text())["k"]
-    saved = drafter_dir / "tree.json"
-    return min(k, load_tree(str(saved)).depth) if saved.is_file() else k
+    saved, search = drafter_dir / "tree.json", drafter_dir / "tree-search.json"
+    if not saved.is_file():
+        return k
+    tree = load_tree(str(saved))
+    if tree.per_round and search.is_file():  # deep only in the rounds the drafter is sure of: as deep as
+        tree = best_tree(json.loads(search.read_text())["acceptance"], tree.per_round)  # the static tree its size
+    return min(k, tree.depth)
 
 
 def vllm_speculative_config(export_dir: str | Path, k: int) -> dict:

@@ -39,7 +39,9 @@ INSTALL_HINT = (
 # - VLLM_CPU_OMP_THREADS_BIND: "auto" binds the worker to 1 core and keeps the other for the
 #   engine core process (24.5 tok/s target-only); "0-1" gives the worker both: 15 tok/s.
 # - LD_PRELOAD=libiomp5.so (which vLLM's spec-decoding warning asks for): 23.2 vs 28.0 tok/s
-#   with ngram, 23.5 vs 24.5 target-only; slower here, so not preloaded.
+#   with ngram, 23.5 vs 24.5 target-only; slower here, so not preloaded. Debian's tcmalloc
+#   (libtcmalloc-minimal4, the other library its warning names): `vllm_draftlab` 1.23x
+#   `vllm_ar` against 1.21x without, within run-to-run noise; not preloaded either.
 # - VLLM_CPU_KVCACHE_SPACE (GiB) would override `memory_fraction`; unset.
 # - VLLM_CPU_NUM_OF_RESERVED_CPU (`reserved_cpus`): 0 gives the worker every core. For one
 #   request at a time that starves the engine core (as "0-1" above); for 128 requests at a

@@ -10,7 +10,8 @@ from draftlab.decoding.tree import Tree, load_tree
 from draftlab.models.drafters import init_drafter
 from oracle import OracleDrafter
 
-TREES = [Tree.chain(1), Tree.chain(4), load_tree("small-6"), load_tree("default"), load_tree("wide-16")]
+PER_ROUND = dataclasses.replace(load_tree("wide-16").with_per_round(6), name="wide-16@6")  # a new shape each round
+TREES = [Tree.chain(1), Tree.chain(4), load_tree("small-6"), load_tree("default"), load_tree("wide-16"), PER_ROUND]
 GREEDY = SamplingParams(max_new_tokens=40)
 
 
@@ -34,8 +35,9 @@ def test_untrained_drafter_identity(tiny, tiny_prompts, family, tree):
         (load_tree("default"), [1, 0, 0, 0], 2.5),  # accepted path [1, 0]: gathered KV rows
         (load_tree("wide-16"), [0, 1, 0, 0], 3.5),  # accepted path [0, 1, 0]
         (load_tree("default"), [0, 0, 1, 0], 3.5),  # accepted path [0, 0, 1]
+        (PER_ROUND, [0, 1, 0, 0], 3.5),  # the oracle's confidence puts [0, 1, 0] in 6 of 16 nodes
     ],
-    ids=["chain", "rank1-first", "rank1-second", "rank1-third"],
+    ids=["chain", "rank1-first", "rank1-second", "rank1-third", "per-round"],
 )
 def test_oracle_drafter_all_accepted(tiny, tiny_prompts, tree, ranks, tau_min):
     for ids in tiny_prompts:

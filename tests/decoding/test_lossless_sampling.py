@@ -60,7 +60,10 @@ WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
 def _tree(name: str) -> Tree:
-    return Tree.from_paths(WIDE, name="wide-7") if name == "wide-7" else load_tree(name)
+    """A preset, or `wide-7` (WIDE); `@n` verifies n of its nodes per round (`per_round`)."""
+    base, _, per_round = name.partition("@")
+    tree = Tree.from_paths(WIDE, name="wide-7") if base == "wide-7" else load_tree(base)
+    return tree.with_per_round(int(per_round)) if per_round else tree
 
 
 # -- exact distribution ------------------------------------------------------------------
@@ -207,6 +210,7 @@ CASES = [
     ("parallel", "small-6", 1.0, 1.0),  # tree: deterministic top-k drafts (point masses)
     ("autoregressive", "wide-7", 1.0, 1.0),  # wide tree: 3 siblings at the root
     ("parallel", "wide-7", 0.7, 0.9),  # tree with nucleus: drafts may have p = 0
+    ("p-eagle", "wide-7@3", 1.0, 1.0),  # 3 of its nodes per round, chosen by the drafter
 ]
 
 

@@ -5,8 +5,8 @@ import pytest
 
 from draftlab.config import NgramSpec, SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
-from draftlab.decoding.ngram import GraftedTree, NgramIndex, graft
-from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.ngram import NgramIndex, graft
+from draftlab.decoding.tree import RoundTree, Tree, load_tree
 from draftlab.models.drafters import init_drafter
 from oracle import OracleDrafter
 
@@ -48,7 +48,7 @@ def test_graft_shares_prefixes_and_adds_the_rest():
     same, ids = graft(tree, nodes, [10, 20, 30])  # the top-1 chain itself: nothing new
     assert same is tree and ids == nodes
     grown, ids = graft(tree, nodes, [10, 21, 40, 41])  # follows [0], [0, 1], then two new nodes
-    assert isinstance(grown, GraftedTree)
+    assert isinstance(grown, RoundTree)
     # the branch leads (root, [0], [0, 1], 40, 41), then the static tree's other nodes
     assert ids == [100, 10, 21, 40, 41, 11, 20, 22, 30]
     assert grown.parents == [-1, 0, 1, 2, 3, 0, 1, 5, 6]

@@ -25,6 +25,41 @@ def test_node_tokens_follow_ranks():
     assert t.node_tokens(42, logits).tolist() == [42, 1, 2, 3, 3, 0]
 
 
+def test_per_round_tree_verifies_the_paths_the_drafter_rates_likeliest():
+    t = Tree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]]).with_per_round(3)
+    sure = torch.tensor([[0.0, 9.0, 1.0, 0.0], [9.0, 0.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0]])  # one likely path
+    shape, nodes = t.round_tree(42, sure)
+    assert shape.is_chain and nodes.tolist() == [42, 1, 0, 2]  # [0], [0, 0], [0, 0, 0]: deep
+    unsure = torch.tensor([[0.0, 5.2, 5.0, 0.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 9.0, 0.0]])
+    shape, nodes = t.round_tree(42, unsure)  # position 1 a coin toss, position 2 a guess: wide
+    assert shape.parents == [-1, 0, 0, 1] and nodes.tolist() == [42, 1, 2, 3]  # [0], [1], [0, 0]
+    small = Tree.from_paths([[0], [1]]).with_per_round(2)  # a budget the tree fits in: the tree itself
+    assert small.round_tree(42, sure)[0] is small
+
+
+def test_per_round_choice_is_prefix_closed_under_ties():
+    t = load_tree("wide-16").with_per_round(6)
+    shape, nodes = t.round_tree(0, torch.zeros(t.depth, 50))  # every node equally likely
+    assert shape.num_nodes == 6 and nodes.numel() == 7
+    assert all(0 <= p < i for i, p in enumerate(shape.parents) if i)  # parents precede children
+
+
+def test_per_round_validation_and_json(tmp_path):
+    with pytest.raises(TreeError, match="per_round must be >= 1"):
+        load_tree("default").with_per_round(0)
+    with pytest.raises(TreeError, match="is a chain"):
+        Tree.chain(4).with_per_round(2)
+    t = load_tree("wide-16").with_per_round(6).with_ngram()
+    f = tmp_path / "t.json"
+    f.write_text(t.to_json())
+    back = load_tree(str(f))
+    assert back.per_round == 6 and back.ngram == t.ngram and back.paths == t.paths
+    assert back.truncated(2).per_round == 6
+    f.write_text(json.dumps({"paths": [[0], [1]], "per_round": "6"}))
+    with pytest.raises(TreeError, match="per_round` must be an integer"):
+        load_tree(str(f))
+
+
 def test_chain():
     c = Tree.chain(3)
     assert c.is_chain and c.depth == 3 and c.num_nodes == 3

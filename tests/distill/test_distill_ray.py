@@ -20,6 +20,7 @@ from distill_support import tiny_config
 from draftlab.config import BenchSpec, DrafterSpec, ScalingSpec, TrainConfig
 from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import load_tree
+from draftlab.decoding.tree_search import best_tree
 from draftlab.distill.trainer import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
 from mlflow_server import MlflowServer
@@ -78,7 +79,12 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     search = json.loads((Path(summary["drafter_dir"]) / "tree-search.json").read_text())
     depth = next(c["depth"] for c in search["candidates"] if c["tree"] == search["chosen"])
     assert summary["bench"]["k"] == depth  # chain_depth=tree: the chain drafts as deep as the searched tree
-    assert served.ngram is None and summary["tree"] in (f"chain-{depth}", "searched")
+    chosen_nodes = next(c["nodes"] for c in search["candidates"] if c["tree"] == search["chosen"])
+    pooled = f"searched-16@{chosen_nodes}"  # bench.per_round_pool: the same node count, chosen per round
+    pool_nodes = len(best_tree(search["acceptance"], 16).paths)  # paths accepted at all, up to 16
+    assert (f"draftlab_tree:{pooled}" in bench) == (pool_nodes > chosen_nodes)
+    assert served.ngram is None and summary["tree"] in (f"chain-{depth}", "searched", pooled)
+    assert (served.per_round is not None) == (summary["best_method"] == f"draftlab_tree:{pooled}")
     if summary["best_method"] == "draftlab_chain":
         assert served.paths == tuple((0,) * d for d in range(1, depth + 1))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "drafter")}

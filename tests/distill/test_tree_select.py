@@ -90,3 +90,20 @@ def test_bench_tree_with_ngram_suffix_saves_a_grafting_tree(tiny, tmp_path):
         tree = load_tree(str(choose_tree(cfg, drafter, tiny, rows, out)))
         assert tree.ngram is not None and (paths is None or tree.paths == paths)
         assert (out / "tree-search.json").is_file() == (paths is None)
+
+
+def test_per_round_variant_pools_the_searched_trees_rates(tmp_path):
+    from draftlab.config import BenchSpec, DistillConfig, NgramSpec
+    from draftlab.decoding.tree import Tree
+    from draftlab.distill.tree_select import per_round_tree
+
+    acc = [[0.6, 0.3, 0.2, 0.1], [0.5, 0.2, 0.1, 0.1], [0.4, 0.1, 0.1, 0.1], [0.3, 0.1, 0.1, 0.1]]
+    static = best_tree(acc, 4).with_ngram(NgramSpec(store_tokens=5))
+    cfg = DistillConfig(bench=BenchSpec(tree="searched+ngram", per_round_pool=8))
+    assert per_round_tree(cfg, static, tmp_path) is None  # no search beside the drafter
+    (tmp_path / "tree-search.json").write_text(json.dumps({"acceptance": acc}))
+    pooled = per_round_tree(cfg, static, tmp_path)
+    assert pooled.name == "searched-8@4+ngram" and pooled.per_round == 4 and pooled.ngram == static.ngram
+    assert pooled.paths == best_tree(acc, 8).paths
+    assert per_round_tree(cfg.model_copy(update={"bench": BenchSpec(per_round_pool=None)}), static, tmp_path) is None
+    assert per_round_tree(cfg, Tree.from_paths([list(p) for p in best_tree(acc, 8).paths]), tmp_path) is None  # no node to add

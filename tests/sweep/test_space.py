@@ -45,6 +45,8 @@ def test_shipped_sweeps_validate(path):
         ({"space": {"train.lr": {"normal": [0, 1]}}}, "uniform"),
         ({"space": {"drafter.k": []}}, "empty"),
         ({"trees": ["bushy-99"]}, "unknown tree 'bushy-99'"),
+        ({"trees": ["bushy-99@4+ngram"]}, "unknown tree 'bushy-99@4+ngram'"),
+        ({"trees": ["chain-4@2"]}, "@n needs n >= 1 and a tree that is not a chain"),
         ({"search": {"algorithm": "bayes"}}, "'grid', 'random' or 'optuna'"),
         ({"overrides": {"train.epochs": 0}}, "train.epochs"),
         ({"colour": "blue"}, "colour: unknown key"),
@@ -59,6 +61,11 @@ def test_bad_sweeps_name_the_file_and_field(tmp_path, doc, msg):
     with pytest.raises(ConfigError, match="sweep.yaml") as err:
         load_sweep(path)
     assert msg in str(err.value)
+
+
+def test_a_tree_may_verify_part_of_itself_per_round(tmp_path):
+    sweep, _ = load_sweep(_write(tmp_path, trees=["searched-16@8+ngram", "wide-16@6"]))
+    assert sweep.trees == ["searched-16@8+ngram", "wide-16@6"]
 
 
 def test_tune_space_grid_and_random(tmp_path):

@@ -213,10 +213,11 @@ def step_many(sessions: list[Session], speculate: list[bool],
 
 
 class SpeculativeDecoder:
-    """Speculative decoding with a drafter and a static tree, one request per `Session`.
+    """Speculative decoding with a drafter and a tree, one request per `Session`.
 
     `tree` = `Tree.chain(k)` for chain verification (drafts are *sampled* from the drafter
-    when sampling), any other tree for top-k tree verification (deterministic drafts).
+    when sampling), any other tree for top-k tree verification (deterministic drafts; a
+    `per_round` tree verifies each round the part of it the drafter rates likeliest).
     A tree with `ngram` set grafts prompt-lookup drafts onto itself each round
     (`decoding/ngram.py`; from `store`, the drafter's `NgramStore`, where the text has no
     match), except onto sampled chain drafts, whose lossless walk assumes one draft per
@@ -295,19 +296,20 @@ class Session:
         drafts, dlogits = dec.drafter.propose(self.state, self.pend_tok, self.pend_hid, tree.depth, pick)  # (k,), (k, V)
         self.pend_tok, self.pend_hid = self.pend_tok[:0], self.pend_hid[:0]  # committed
         if tree.is_chain:
-            nodes = torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
+            shape, nodes = tree, torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
         else:
-            nodes = tree.node_tokens(self.root, dlogits)  # (N+1,)
+            shape, nodes = tree.round_tree(self.root, dlogits)  # the tree, or this round's part of it
         branch = self.lookup.propose() if self.lookup is not None and not sample_drafts else []
-        if branch:  # this round's tree: the static one plus the copied span
-            grown, ids = graft(tree, nodes.tolist(), branch)
-            if grown is not tree:
-                ancestors, counts = (t.to(dev) for t in grown.ancestor_rows)
-                return Block(torch.tensor(ids, device=dev), self.ctx + grown.depths.to(dev),
-                             verify_plan(grown, self.ctx, ancestors, counts), grown, dlogits, False,
-                             time.perf_counter() - t0)
-        rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
-        return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)
+        if branch:  # this round's tree plus the copied span
+            grown, ids = graft(shape, nodes.tolist(), branch)
+            if grown is not shape:
+                shape, nodes = grown, torch.tensor(ids, device=dev)
+        if shape is tree:  # the static tree's buffers, built once
+            rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
+            return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)
+        ancestors, counts = (t.to(dev) for t in shape.ancestor_rows)
+        return Block(nodes, self.ctx + shape.depths.to(dev), verify_plan(shape, self.ctx, ancestors, counts), shape,
+                     dlogits, False, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def commit(self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftlab.config import NgramSpec
-from draftlab.decoding.tree import Topology
+from draftlab.decoding.tree import RoundTree, Topology
 
 STORE_FILE = "lookup-store.safetensors"  # an `NgramStore` next to the drafter
 _STORE_FIELDS = ("min_match", "max_match", "tokens")  # the spec a store was built with
@@ -148,22 +147,14 @@ class NgramIndex:
         return self.store.propose(toks)[: self.spec.store_tokens] if self.store is not None else []
 
 
-@dataclass(frozen=True)
-class GraftedTree(Topology):
-    """One round's verification tree: a static tree plus a grafted token branch.
-
-    Node order: the root, the branch (the static nodes it shares, then its new nodes), then
-    the static tree's other nodes in their order. The branch rows lead the verify block as a
-    chain, so they see causal prefixes of the cache and need no per-row key gather
-    (`attention.RowPlan.tree`): what a long prompt's copied spans are cheap for."""
-
-    parents: list[int]  # (N+1,), the root's is -1
-
-
 def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology, list[int]]:
     """Add the token path `branch` (starting below the root) to `tree` whose node tokens are
-    `nodes` (root first). Shared prefixes reuse existing nodes. Returns (tree, nodes) in
-    `GraftedTree`'s order, the inputs themselves when the branch adds nothing."""
+    `nodes` (root first). Shared prefixes reuse existing nodes. Returns (tree, nodes), the
+    inputs themselves when the branch adds nothing. Node order: the root, the branch (the
+    static nodes it shares, then its new nodes), then the tree's other nodes in their order.
+    The branch rows lead the verify block as a chain, so they see causal prefixes of the
+    cache and need no per-row key gather (`attention.RowPlan.tree`): what a long prompt's
+    copied spans are cheap for."""
     shared = []  # static nodes along the branch
     for tok in branch:
         nxt = next((c for c in tree.children[shared[-1] if shared else 0] if nodes[c] == tok), None)
@@ -181,4 +172,4 @@ def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology
             index[old] = len(toks)
             parents.append(index[tree.parents[old]])
             toks.append(nodes[old])
-    return GraftedTree(parents), toks
+    return RoundTree(parents), toks

@@ -7,9 +7,14 @@ position 2. A chain of k drafts is `[[0], [0, 0], ..., [0]*k]`.
 Buffers are built once per tree. Node 0 is the root (the last committed token); nodes 1..N
 follow the paths sorted by (depth, lexicographic), so parents precede children.
 
+A tree may verify only `per_round` of its paths each round, those the drafter rates likeliest
+that round (EAGLE-2's dynamic trees, here over rank paths): deep where the drafter is sure,
+wide where it is not, at the cost of `per_round` nodes (`Tree.round_tree`).
+
 A tree may also graft prompt-lookup drafts onto itself each round (`ngram`, spec suffix
 `+ngram`, e.g. `chain-3+ngram`; see `ngram.py`): it travels with the tree through sweeps,
-`tree.json`, the compare stage and serving.
+`tree.json`, the compare stage and serving. `@n` after a tree's name verifies n of its nodes
+per round (`per_round`, e.g. `wide-16@6+ngram`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from draftlab.config import NgramSpec
 
 NGRAM = "+ngram"  # spec suffix: graft prompt-lookup drafts onto the tree each round
+PER_ROUND = "@"  # spec suffix `@n`: verify n of the tree's nodes per round
 PRESET_DIR = Path(__file__).parent / "trees"
 
 
@@ -87,10 +93,19 @@ class Topology:
 
 
 @dataclass(frozen=True)
+class RoundTree(Topology):
+    """A verification tree built for one round: a `per_round` tree's chosen nodes, or a tree
+    with a grafted lookup branch (`ngram.graft`)."""
+
+    parents: list[int]  # (N+1,), the root's is -1
+
+
+@dataclass(frozen=True)
 class Tree(Topology):
     paths: tuple[tuple[int, ...], ...]  # sorted by (len, lex); excludes the root
     name: str = "custom"
     ngram: NgramSpec | None = None  # graft prompt-lookup drafts each round (ngram.py)
+    per_round: int | None = None  # verify this many of `paths` per round, the drafter's likeliest
 
     @classmethod
     def from_paths(cls, paths, name: str = "custom", max_depth: int | None = None) -> Tree:
@@ -148,21 +163,53 @@ class Tree(Topology):
         nodes = topk[self.depths[1:] - 1, self.ranks]  # (N,)
         return torch.cat([torch.tensor([root], device=nodes.device), nodes])
 
+    @cached_property
+    def _path_sums(self) -> torch.Tensor:
+        """(N, N) float: row i sums over node i's path (itself and its ancestors, not the root)."""
+        return self.ancestor_mask[1:, 1:].float()
+
+    def round_tree(self, root: int, draft_logits: torch.Tensor) -> tuple[Topology, torch.Tensor]:
+        """This round's tree and its (n+1,) verify-input ids (`node_tokens`): the whole tree,
+        or for a `per_round` tree the `per_round` nodes whose paths the drafter rates likeliest.
+        A path's score is the sum of its nodes' log-probabilities; a child never outscores
+        its parent, so the choice is prefix-closed. It reads the drafter alone, before
+        verification, so the walks' guarantees hold as for a static tree."""
+        nodes = self.node_tokens(root, draft_logits)
+        if self.per_round is None or self.per_round >= self.num_nodes:
+            return self, nodes
+        pos = (self.depths[1:] - 1).to(nodes.device)  # (N,) each node's draft position
+        logp = draft_logits[: self.depth].float().log_softmax(-1)[pos, nodes[1:]]  # (N,)
+        score = self._path_sums.to(logp.device) @ logp - 1e-4 * pos  # ties: the parent first
+        keep = (score.topk(self.per_round).indices.sort().values + 1).tolist()  # node ids, parents first
+        index = {0: 0} | {old: i + 1 for i, old in enumerate(keep)}
+        return RoundTree([-1] + [index[self.parents[old]] for old in keep]), nodes[[0, *keep]]
+
     def truncated(self, max_depth: int) -> Tree:
         """The same tree without nodes deeper than `max_depth` (still prefix-closed)."""
         if self.depth <= max_depth:
             return self
         cut = Tree.from_paths([list(p) for p in self.paths if len(p) <= max_depth], f"{self.name}-d{max_depth}")
-        return dataclasses.replace(cut, ngram=self.ngram)
+        return dataclasses.replace(cut, ngram=self.ngram, per_round=self.per_round)
 
     def with_ngram(self, spec: NgramSpec | None = None) -> Tree:
         """This tree, grafting prompt-lookup drafts (`spec`, default settings) each round."""
         base = self.name.removesuffix(NGRAM)
         return dataclasses.replace(self, name=base + NGRAM, ngram=spec or NgramSpec())
 
+    def with_per_round(self, per_round: int | None) -> Tree:
+        """This tree verifying `per_round` of its nodes each round (None: all of them)."""
+        if per_round is not None and per_round < 1:
+            raise TreeError(f"tree {self.name!r}: per_round must be >= 1 (got {per_round})")
+        if per_round is not None and self.is_chain:
+            raise TreeError(f"tree {self.name!r} is a chain: per_round would only cut its depth (use chain-{per_round})")
+        return dataclasses.replace(self, per_round=per_round)
+
     def to_json(self) -> str:
         paths = [list(p) for p in self.paths]
-        return json.dumps({"paths": paths, "ngram": self.ngram.model_dump()} if self.ngram else paths)
+        extra = {"ngram": self.ngram.model_dump()} if self.ngram else {}
+        if self.per_round is not None:
+            extra["per_round"] = self.per_round
+        return json.dumps({"paths": paths, **extra} if extra else paths)
 
 
 def available_trees() -> list[str]:
@@ -174,12 +221,22 @@ def split_ngram(spec: str) -> tuple[str, bool]:
     return (spec.removesuffix(NGRAM), True) if spec.endswith(NGRAM) else (spec, False)
 
 
+def split_per_round(spec: str) -> tuple[str, int | None]:
+    """`wide-16@6` -> (`wide-16`, 6); `wide-16` -> (`wide-16`, None)."""
+    base, sep, n = spec.rpartition(PER_ROUND)
+    return (base, int(n)) if sep and n.isdigit() else (spec, None)
+
+
 def load_tree(spec: str, k: int | None = None) -> Tree:
     """A preset name, `chain-<k>`, or a JSON file holding a list of rank paths (or
-    {"paths": [...], "ngram": {...}}); `+ngram` after any of them grafts prompt lookups."""
+    {"paths": [...], "ngram": {...}, "per_round": n}); `@n` after any of them verifies n of
+    its nodes per round, then `+ngram` grafts prompt lookups."""
     spec, ngram = split_ngram(spec)
     if ngram:
         return load_tree(spec, k).with_ngram()
+    spec, per_round = split_per_round(spec)
+    if per_round is not None:
+        return load_tree(spec, k).with_per_round(per_round)
     if spec.startswith("chain-") and spec[6:].isdigit():
         tree = Tree.chain(int(spec[6:]))
         return Tree.from_paths([list(p) for p in tree.paths], spec, max_depth=k)
@@ -190,12 +247,16 @@ def load_tree(spec: str, k: int | None = None) -> Tree:
         paths = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TreeError(f"tree file {path}: not valid JSON ({e})") from None
-    graft = None
-    if isinstance(paths, dict):  # {"paths": [...], "ngram": {...}?} as written by `to_json` / the tree search
+    graft, per_round = None, None
+    if isinstance(paths, dict):  # {"paths": [...], "ngram": {...}?, "per_round": n?} as `to_json` writes
         try:
             graft = NgramSpec.model_validate(paths["ngram"]) if paths.get("ngram") else None
         except ValueError as e:
             raise TreeError(f"tree file {path}: bad `ngram` ({e})") from None
+        per_round = paths.get("per_round")
+        if per_round is not None and (not isinstance(per_round, int) or isinstance(per_round, bool)):
+            raise TreeError(f"tree file {path}: `per_round` must be an integer node count (got {per_round!r})")
         paths = paths.get("paths")
     tree = Tree.from_paths(paths, name=path.stem if path.parent == PRESET_DIR else str(path), max_depth=k)
+    tree = tree.with_per_round(per_round)
     return tree.with_ngram(graft) if graft else tree

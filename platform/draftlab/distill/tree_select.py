@@ -22,7 +22,7 @@ import torch
 
 from draftlab.config import DistillConfig, NgramSpec
 from draftlab.decoding.ngram import NgramStore, graft
-from draftlab.decoding.tree import Tree, load_tree, split_ngram
+from draftlab.decoding.tree import Tree, load_tree, split_ngram, split_per_round
 from draftlab.decoding.tree_search import best_tree, expected_accepted, searched_budget
 from draftlab.distill.ranks import acceptance_rates, rank_tables
 from draftlab.distill.replay import RoundCost, extrapolate, replay
@@ -233,6 +233,21 @@ def searched_tree_file(drafter_dir: str | Path, budget: int) -> Path:
     return path
 
 
+def per_round_tree(cfg: DistillConfig, tree: Tree, out_dir: str | Path) -> Tree | None:
+    """`tree`'s node count verified per round out of the best `cfg.bench.per_round_pool`-node
+    tree under the acceptance in `out_dir`'s `tree-search.json`, with `tree`'s lookups
+    (`searched-<pool>@<n>`); None when off, without a search, or when the pool adds no node."""
+    pool, report = cfg.bench.per_round_pool, Path(out_dir) / "tree-search.json"
+    if pool is None or not report.is_file():
+        return None
+    paths = best_tree(json.loads(report.read_text())["acceptance"], pool).paths
+    if len(paths) <= tree.num_nodes:
+        return None
+    pooled = Tree.from_paths([list(p) for p in paths], f"searched-{pool}@{tree.num_nodes}")
+    pooled = pooled.with_per_round(tree.num_nodes)
+    return pooled.with_ngram(tree.ngram) if tree.ngram else pooled
+
+
 def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:
     """Write `tree.json` (and `tree-search.json` when a search chose it) into `out_dir`."""
     out_dir = Path(out_dir)
@@ -246,13 +261,17 @@ def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int) -> Tr
     """The tree a drafter drafting `k` deep verifies with: `chain` (= chain-k), `chain-<n>`,
     a preset (cut to depth k), `searched-<n>` (from the drafter's tree-search.json), a JSON
     file, or None = the drafter directory's `tree.json` when it has one, else chain-k; any of
-    them followed by `+ngram` grafts prompt lookups each round."""
+    them followed by `@n` verifies n of its nodes per round, then `+ngram` grafts prompt
+    lookups each round."""
     if spec is None:
         saved = local_copy(drafter_dir) / "tree.json" if drafter_dir else None
         spec = str(saved) if saved is not None and saved.is_file() else "chain"
     spec, ngram = split_ngram(spec)
     if ngram:
         return resolve_tree(spec, drafter_dir, k).with_ngram()
+    spec, per_round = split_per_round(spec)
+    if per_round is not None:
+        return resolve_tree(spec, drafter_dir, k).with_per_round(per_round)
     if spec == "chain":
         return Tree.chain(k)
     budget = searched_budget(spec)

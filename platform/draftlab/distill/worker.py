@@ -441,26 +441,35 @@ def train_fn_per_worker(config: dict) -> dict:
     tracker.log_dict(curve, "training.json")
     if cfg.bench.enabled:
         from draftlab.bench import bench_loaded
-        from draftlab.distill.tree_select import choose_tree, save_tree  # imports this module
+        from draftlab.distill.tree_select import (  # imports this module
+            choose_tree,
+            per_round_tree,
+            save_tree,
+        )
 
         tree_file = choose_tree(cfg, served, target, evalset, out_dir)
         verify_tree = load_tree(str(tree_file))
+        pooled = per_round_tree(cfg, verify_tree, out_dir) if split_ngram(cfg.bench.tree)[0] == "searched" else None
+        trees = {pooled.name: pooled} if pooled is not None else {}
         depth = cfg.bench.chain_depth  # the chain methods' draft length
         chain_k = cfg.drafter.k if depth == "k" else verify_tree.depth if depth == "tree" else depth
         bcfg = BenchConfig(
             target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
             max_new_tokens=cfg.bench.max_new_tokens, k=chain_k, tree=str(tree_file), methods=cfg.bench.methods,
         )
-        report_ = bench_loaded(target, served, bcfg, progress=False)
+        report_ = bench_loaded(target, served, bcfg, progress=False, trees=trees)
         summary["bench"] = report_
         best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
         # the measured winner is what the drafter is served with: its tree.json
         chain = best.startswith("draftlab_chain")
-        chosen = Tree.chain(chain_k) if chain else Tree.from_paths(
-            [list(p) for p in verify_tree.paths], split_ngram(cfg.bench.tree)[0])
-        # the lookups it was measured with: the bench's for `*_ngram`, else the searched tree's own
-        ngram = bcfg.ngram if best.endswith("_ngram") else None if chain else verify_tree.ngram
-        chosen = chosen.with_ngram(ngram) if ngram else chosen
+        if best.startswith("draftlab_tree:"):  # the per-round tree, with its own lookups
+            chosen = trees[best.removeprefix("draftlab_tree:")]
+        else:
+            chosen = Tree.chain(chain_k) if chain else Tree.from_paths(
+                [list(p) for p in verify_tree.paths], split_ngram(cfg.bench.tree)[0])
+            # the lookups it was measured with: the bench's for `*_ngram`, else the searched tree's own
+            ngram = bcfg.ngram if best.endswith("_ngram") else None if chain else verify_tree.ngram
+            chosen = chosen.with_ngram(ngram) if ngram else chosen
         save_tree(chosen, None, out_dir)
         summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
                     "best_method": best, "tree": chosen.name, "greedy_identical": report_["greedy_identical"]}

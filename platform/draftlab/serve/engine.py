@@ -49,10 +49,10 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
     import json
     from pathlib import Path
 
-    from draftlab.decoding.tree_search import expected_accepted
+    from draftlab.decoding.tree_search import best_tree, expected_accepted
     from draftlab.profiling import draft_ms, profile_target
 
-    rows = tree.num_nodes + 1
+    rows = (tree.per_round or tree.num_nodes) + 1  # a per-round tree verifies per_round nodes
     sizes = sorted({1, rows} | {n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < eng.max_active * rows}
                    | {eng.max_active, eng.max_active * rows})
     costs = profile_target(target, eng.policy_context, sizes, repeats=3)
@@ -60,8 +60,9 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
     report = Path(drafter_dir) / "tree-search.json" if drafter_dir else None
     if report is not None and report.is_file():
         acc = json.loads(report.read_text())["acceptance"]
-        if tree.depth <= len(acc) and tree.max_rank < min(len(a) for a in acc):
-            prior_tau = 1.0 + expected_accepted(tree, acc)
+        shape = best_tree(acc, tree.per_round) if tree.per_round else tree  # per round: as the best static tree its size
+        if shape.depth <= len(acc) and shape.max_rank < min(len(a) for a in acc):
+            prior_tau = 1.0 + expected_accepted(shape, acc)
     return SpeculationPolicy({int(n): ms for n, ms in costs.items()}, rows, prior_tau,
                              draft_ms(drafter, tree.depth, eng.policy_context, repeats=3))
 

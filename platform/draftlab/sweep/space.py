@@ -25,7 +25,7 @@ from draftlab.config import (
     load_yaml,
     read_mapping,
 )
-from draftlab.decoding.tree import NGRAM, available_trees, split_ngram
+from draftlab.decoding.tree import NGRAM, available_trees, split_ngram, split_per_round
 from draftlab.decoding.tree_search import searched_budget
 
 Scalar = int | float | str | bool
@@ -137,10 +137,13 @@ class SweepConfig(StrictModel):
     def _trees(cls, trees: list[str]) -> list[str]:
         presets = [t for t in available_trees() if "<" not in t]
         for t in trees:
-            shape = split_ngram(t)[0]
+            shape, per_round = split_per_round(split_ngram(t)[0])
             if not is_chain_name(shape) and searched_budget(shape) is None and shape not in presets:
                 raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)}; "
-                                 f"each may end in {NGRAM} to graft prompt lookups)")
+                                 f"each may end in @n to verify n of its nodes per round, then {NGRAM} to graft "
+                                 f"prompt lookups)")
+            if per_round is not None and (per_round < 1 or is_chain_name(shape)):
+                raise ValueError(f"tree {t!r}: @n needs n >= 1 and a tree that is not a chain")
         return trees
 
 

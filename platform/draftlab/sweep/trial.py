@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.config import DistillConfig, ScalingSpec, TargetSpec
-from draftlab.decoding.tree import Tree, split_ngram
+from draftlab.decoding.tree import Tree, split_ngram, split_per_round
 from draftlab.sweep.space import training_key, trial_config
 
 
@@ -276,7 +276,7 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
     with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
         staged = Path(tmp) / "drafter"
         shutil.copytree(p.cfg.output_dir, staged)
-        served = Tree.from_paths(result["paths"], tree)
+        served = Tree.from_paths(result["paths"], tree).with_per_round(split_per_round(split_ngram(tree)[0])[1])
         save_tree(served.with_ngram() if split_ngram(tree)[1] else served, None, staged)
         tracker.log_artifacts(str(staged), "drafter")
     tracker.set_tags({"draftlab.status": "done", "draftlab.trained_here": str(summary["trained_here"]),
