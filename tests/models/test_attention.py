@@ -6,13 +6,17 @@ The model is a random GQA Llama (4 query heads on 2 KV heads of dim 64) in bfloa
 `attention.BLOCK = 1`): that is what row-exact attention must remove.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftlab.decoding.ngram import graft
 from draftlab.decoding.tree import load_tree
-from draftlab.models import attention, fused_attention, row_kernel
+from draftlab.models import attention, fused_attention, presets, row_kernel
 from draftlab.models.target import (
     Target,
     cpu_has_amx_bf16,
@@ -149,6 +153,40 @@ def test_row_kernel_is_used_on_cpu_and_can_be_turned_off(tiny, monkeypatch):
         assert row_kernel.load() is None
     finally:
         row_kernel.load.cache_clear()
+
+
+LOAD = "from draftlab.models import row_kernel; assert row_kernel.load() is not None"
+HOLD = """
+import fcntl, sys, time
+from draftlab.models import row_kernel
+where = row_kernel.build_dir()
+where.parent.mkdir(parents=True, exist_ok=True)
+lock = open(where.parent / f"{where.name}.lock", "w")
+fcntl.flock(lock, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_killed_while_loading_the_kernel_blocks_no_later_one(tmp_path):
+    """Ray workers are killed at any point (node faults, tests), also inside the kernel's
+    load or build. What they leave (torch's build lock file, which outlives its process; a
+    build directory half-built; our own lock, held when killed) must not make a later process
+    wait: with torch's lock alone, every later load of that directory waited for ever."""
+    _need_kernel()
+    env = {**os.environ, "DRAFTLAB_CACHE": str(tmp_path)}
+    where = tmp_path / row_kernel.build_dir().relative_to(presets.cache_dir())
+    where.mkdir(parents=True)
+    (where / "lock").touch()  # torch's baton, left by a process killed in cpp_extension.load
+    (where.parent / f"{where.name}.tmp-1").mkdir()  # a build killed half-way
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    holder.kill()
+    holder.wait()
+    subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=300)  # builds (~20 s)
+    assert (where / f"{row_kernel.NAME}.so").exists() and not list(where.parent.glob("*.tmp-*"))
+    (where / "lock").touch()  # again, now beside a built kernel
+    subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=60)
 
 
 def test_rows_must_match_queries(tiny):

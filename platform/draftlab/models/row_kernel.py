@@ -12,11 +12,19 @@ keyed by the source, torch's version and this CPU's flags, so later processes lo
 milliseconds. Where it cannot be built (no compiler), `load()` returns None once with a
 warning and row-exact attention keeps SDPA's kernel: both are row-exact, and one process
 uses one of them throughout. `DRAFTLAB_ROW_KERNEL=0` turns it off.
+
+A process killed while building or loading (a Ray worker a test or a node failure kills)
+must not block the next ones: torch's own build lock is a file that outlives its process,
+so every later `cpp_extension.load` of that directory would wait for ever. Hence a built
+kernel is imported directly, and a build runs under an OS lock (`fcntl.flock`, released
+when its holder dies) in a directory of its own that is renamed into place only once built.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -29,6 +37,7 @@ import torch
 from draftlab.models.presets import cache_dir
 
 SOURCE = Path(__file__).parent / "kernels" / "row_attention.cpp"
+NAME = "draftlab_row_attention"
 HEAD_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float32)
 log = logging.getLogger(__name__)
@@ -65,23 +74,45 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def _import_built(where: Path):
+    """Import the extension built in `where` (as torch's loader does, without its lock)."""
+    spec = importlib.util.spec_from_file_location(NAME, where / f"{NAME}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(where: Path):
+    """Build into a fresh directory beside `where` and rename it into place; the caller holds
+    the build lock, so leftovers of builds killed half-way are removed first."""
+    from torch.utils import cpp_extension  # heavy, and only needed here
+
+    _find_ninja()
+    for stale in where.parent.glob(f"{where.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(where, ignore_errors=True)  # a build from before this layout, or a broken one
+    scratch = where.parent / f"{where.name}.tmp-{os.getpid()}"
+    scratch.mkdir()
+    log.info("building draftlab's CPU row attention kernel once (~20 s) in %s", where)
+    module = cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(scratch),
+                                extra_cflags=["-O3", "-march=native"], verbose=False)
+    scratch.rename(where)
+    return module
+
+
 @cache
 def load():
     """The compiled extension, or None where it is turned off or cannot be built."""
     if os.environ.get("DRAFTLAB_ROW_KERNEL", "1") == "0":
         return None
-    from torch.utils import cpp_extension  # heavy, and only needed here
-
-    _find_ninja()
     where = build_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    if not any(where.glob("*.so")):
-        log.info("building draftlab's CPU row attention kernel once (~20 s) in %s", where)
     try:
-        return cpp_extension.load(
-            name="draftlab_row_attention", sources=[str(SOURCE)], build_directory=str(where),
-            extra_cflags=["-O3", "-march=native"], verbose=False,
-        )
+        where.parent.mkdir(parents=True, exist_ok=True)
+        with open(where.parent / f"{where.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the OS if this process dies
+            if (where / f"{NAME}.so").exists():
+                return _import_built(where)
+            return _build(where)
     except Exception as e:  # no compiler, no ninja, ...: SDPA's kernel stays row-exact
         log.warning("draftlab's CPU row attention kernel could not be built (%s: %s); verify rows "
                     "use SDPA per row instead (slower per row, equally exact)", type(e).__name__, e)
