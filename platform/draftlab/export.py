@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from draftlab.config import TargetSpec
 from draftlab.decoding.tree import load_tree
-from draftlab.decoding.tree_search import best_tree
+from draftlab.decoding.tree_search import static_equivalent
 from draftlab.models.drafters.network import DrafterNet, load_drafter
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
@@ -135,8 +135,8 @@ def served_draft_length(drafter_dir: str | Path) -> int:
     if not saved.is_file():
         return k
     tree = load_tree(str(saved))
-    if tree.per_round and search.is_file():  # deep only in the rounds the drafter is sure of: as deep as
-        tree = best_tree(json.loads(search.read_text())["acceptance"], tree.per_round)  # the static tree its size
+    if search.is_file():  # a per-round tree is deep only in the rounds the drafter is sure of
+        tree = static_equivalent(tree, json.loads(search.read_text())["acceptance"])
     return min(k, tree.depth)
 
 

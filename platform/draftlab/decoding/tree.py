@@ -180,9 +180,17 @@ class Tree(Topology):
         pos = (self.depths[1:] - 1).to(nodes.device)  # (N,) each node's draft position
         logp = draft_logits[: self.depth].float().log_softmax(-1)[pos, nodes[1:]]  # (N,)
         score = self._path_sums.to(logp.device) @ logp - 1e-4 * pos  # ties: the parent first
-        keep = (score.topk(self.per_round).indices.sort().values + 1).tolist()  # node ids, parents first
-        index = {0: 0} | {old: i + 1 for i, old in enumerate(keep)}
-        return RoundTree([-1] + [index[self.parents[old]] for old in keep]), nodes[[0, *keep]]
+        keep = tuple((score.topk(self.per_round).indices.sort().values + 1).tolist())  # node ids, parents first
+        shape = self._round_shapes.get(keep)
+        if shape is None:  # a few shapes recur: build each (and its row buffers) once
+            index = {0: 0} | {old: i + 1 for i, old in enumerate(keep)}
+            shape = self._round_shapes[keep] = RoundTree([-1] + [index[self.parents[old]] for old in keep])
+        return shape, nodes[[0, *keep]]
+
+    @cached_property
+    def _round_shapes(self) -> dict[tuple[int, ...], RoundTree]:
+        """`round_tree`'s topologies by the node ids they keep."""
+        return {}
 
     def truncated(self, max_depth: int) -> Tree:
         """The same tree without nodes deeper than `max_depth` (still prefix-closed)."""

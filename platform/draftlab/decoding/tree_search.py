@@ -70,3 +70,9 @@ def best_tree(acc: Acceptance, budget: int, name: str | None = None) -> Tree:
             for r, a in enumerate(acc[depth]):
                 heapq.heappush(frontier, (neg * a, depth + 1, (*path, r)))
     return Tree.from_paths([list(p) for p in chosen], name or f"searched-{budget}", max_depth=len(acc))
+
+
+def static_equivalent(tree: Tree, acc: Acceptance) -> Tree:
+    """A `per_round` tree as the best static tree of its node count under `acc` (how deep
+    and how accepted it is on average); any other tree as it is."""
+    return best_tree(acc, tree.per_round) if tree.per_round else tree

@@ -49,7 +49,7 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
     import json
     from pathlib import Path
 
-    from draftlab.decoding.tree_search import best_tree, expected_accepted
+    from draftlab.decoding.tree_search import expected_accepted, static_equivalent
     from draftlab.profiling import draft_ms, profile_target
 
     rows = (tree.per_round or tree.num_nodes) + 1  # a per-round tree verifies per_round nodes
@@ -60,7 +60,7 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
     report = Path(drafter_dir) / "tree-search.json" if drafter_dir else None
     if report is not None and report.is_file():
         acc = json.loads(report.read_text())["acceptance"]
-        shape = best_tree(acc, tree.per_round) if tree.per_round else tree  # per round: as the best static tree its size
+        shape = static_equivalent(tree, acc)
         if shape.depth <= len(acc) and shape.max_rank < min(len(a) for a in acc):
             prior_tau = 1.0 + expected_accepted(shape, acc)
     return SpeculationPolicy({int(n): ms for n, ms in costs.items()}, rows, prior_tau,
