@@ -159,9 +159,9 @@ LOAD = "from draftlab.models import row_kernel; assert row_kernel.load() is not 
 HOLD = """
 import fcntl, sys, time
 from draftlab.models import row_kernel
-where = row_kernel.build_dir()
-where.parent.mkdir(parents=True, exist_ok=True)
-lock = open(where.parent / f"{where.name}.lock", "w")
+lock_file = row_kernel.lock_path(row_kernel.build_dir())
+lock_file.parent.mkdir(parents=True, exist_ok=True)
+lock = open(lock_file, "w")
 fcntl.flock(lock, fcntl.LOCK_EX)
 print("held", flush=True)
 time.sleep(600)

@@ -74,6 +74,11 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def lock_path(where: Path) -> Path:
+    """The build lock of the build directory `where` (beside it: a build renames `where`)."""
+    return where.parent / f"{where.name}.lock"
+
+
 def _import_built(where: Path):
     """Import the extension built in `where` (as torch's loader does, without its lock)."""
     spec = importlib.util.spec_from_file_location(NAME, where / f"{NAME}.so")
@@ -108,7 +113,7 @@ def load():
     where = build_dir()
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
-        with open(where.parent / f"{where.name}.lock", "w") as lock:
+        with open(lock_path(where), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released by the OS if this process dies
             if (where / f"{NAME}.so").exists():
                 return _import_built(where)
