@@ -200,3 +200,25 @@ def test_mask_reproduces_inference_time_drafting(drop_tokens):
                 position_ids=torch.arange(a + d + 1)[None],  # (1, a + 1 + d)
             ).last_hidden_state[0, -1]  # (H,)
             torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=0, msg=f"node {(a, d)}")
+
+
+@pytest.mark.parametrize("drop_tokens", [False, True])
+def test_first_anchor_keeps_depth_zero_and_drops_earlier_mask_chains(drop_tokens):
+    seq_len, k, first = 30, 4, 11
+    gen = torch.Generator().manual_seed(3)
+    layout = build_group_layout(seq_len, k, drop_tokens=drop_tokens, generator=gen, first_anchor=first)
+    real = layout.depth == 0
+    assert torch.equal(layout.anchor[real], torch.arange(seq_len))  # the prompt stays as context
+    assert int(layout.anchor[~real].min()) == first if not drop_tokens else int(layout.anchor[~real].min()) >= first
+    assert torch.equal(layout.attend, brute_force_attend(layout))
+    if not drop_tokens:  # the full layout's mask nodes from `first` on, nothing else
+        full = build_group_layout(seq_len, k)
+        keep = (full.depth == 0) | (full.anchor >= first)
+        assert torch.equal(layout.anchor, full.anchor[keep]) and torch.equal(layout.depth, full.depth[keep])
+    else:  # drop-token counts over the L - first anchors left to the mask depths
+        for d in range(1, k):
+            got = int((layout.depth == d).sum())
+            assert got == min(math.floor((seq_len - first) * max(0.7**d, 0.2)), seq_len - first - d - 1)
+    with pytest.raises(ValueError, match="first_anchor"):
+        build_group_layout(seq_len, k, first_anchor=-1)
+    assert build_group_layout(5, 3, first_anchor=9).num_nodes == 5  # past the end: depth 0 only

@@ -175,3 +175,33 @@ def test_a_last_state_family_reads_the_last_columns_of_a_fused_feature_cache(tin
     assert cached.shape == fresh.shape and fused.shape[-1] == 3 * tiny.hidden_size
     valid = torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]  # (B, L)
     torch.testing.assert_close(cached[valid].float(), fresh[valid].float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("family", ["parallel", "p-eagle"])
+def test_leaving_out_prompt_chains_changes_no_loss_and_no_gradient(tiny, family):
+    """Without `loss_on_prompt`, collate leaves out the mask nodes whose whole chain predicts
+    prompt tokens. No kept node attends to them, so the step's loss, per-depth statistics and
+    gradients are those of the full layout with the same response-only loss."""
+    rows = [dict(r, prompt_len=p) for r, p in zip(_rows(lengths=(19, 23, 12, 9)), (9, 14, 3, 7), strict=True)]
+    short = collate(rows, K, 64, False, None)
+    full = collate(rows, K, 64, False, None, loss_on_prompt=True)
+    prompt_len = torch.tensor([r["prompt_len"] for r in rows])[:, None]  # (B, 1)
+    full.loss_mask &= full.teacher_idx + 1 >= prompt_len  # response labels only, as `short`
+    assert int(short.num_nodes.sum()) < int(full.num_nodes.sum())
+    assert int(short.loss_mask.sum()) == int(full.loss_mask.sum()) > 0
+    results = []
+    for batch in (short, full):
+        drafter = init_drafter(family, tiny, k=K, depth=2, seed=0).float().train()
+        feats = teacher_states(tiny, batch, drafter.cfg.aux_layers)
+        stats = loss_and_backward(DistillModule(drafter), drafter, batch, feats, TrainConfig(ce_weight=0.5), K)
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        results.append((stats, grads))
+    (s1, g1), (s2, g2) = results
+    assert s1.nodes == s2.nodes and s1.agree == s2.agree
+    assert s1.loss == pytest.approx(s2.loss, rel=1e-5) and s1.kl == pytest.approx(s2.kl, rel=1e-5)
+    assert g1.keys() == g2.keys() and g1
+    for n in g1:
+        # Float32 sums over a different number of nodes: equal up to rounding (here <= 3e-4
+        # of the largest gradient); a node seeing a left-out one would differ by O(1).
+        scale = float(g2[n].abs().max())
+        torch.testing.assert_close(g1[n], g2[n], atol=1e-3 * scale, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")

@@ -18,6 +18,11 @@ With ``drop_tokens`` (PARD's conditional drop-token subsampling, COD) depth ``d`
 among the anchors kept at depth ``d - 1``, so every kept node ``(a, d)`` has its whole chain
 ``(a, 0), (a, 1), ..., (a, d - 1)`` in the layout.
 
+With ``first_anchor`` f > 0, depths ``d >= 1`` only use anchors ``a >= f`` (and the drop-token
+counts above take ``L - f`` for ``L``): training that puts no loss on a prompt leaves out the
+mask nodes whose whole chain would predict prompt tokens, while depth 0 keeps the prompt as
+context.
+
 Nodes are ordered depth-major: all of depth 0 (by anchor), then depth 1 by anchor, and so on.
 """
 
@@ -112,19 +117,24 @@ def build_group_layout(
     ratio: float = 0.7,
     min_ratio: float = 0.2,
     generator: torch.Generator | None = None,
+    first_anchor: int = 0,
 ) -> GroupLayout:
     """Build the packed node layout and group attention mask for ``seq_len`` tokens, ``k`` depths.
 
-    See the module docstring for the rule. ``generator`` seeds the drop-token choice (CPU).
+    See the module docstring for the rule. ``generator`` seeds the drop-token choice (CPU);
+    ``first_anchor`` is the first anchor of the mask depths (0 = all).
     """
     _validate(seq_len, k, ratio, min_ratio)
+    if isinstance(first_anchor, bool) or not isinstance(first_anchor, int) or first_anchor < 0:
+        raise ValueError(f"first_anchor must be an int >= 0, got {first_anchor!r}")
 
     anchors_per_depth: list[torch.Tensor] = [torch.arange(seq_len)]  # depth 0: (L,)
-    kept = anchors_per_depth[0]  # (n_{d-1},) sorted anchors kept at the previous depth
+    kept = anchors_per_depth[0][first_anchor:]  # (n_{d-1},) sorted anchors the next depth may use
+    span = max(seq_len - first_anchor, 0)  # anchors open to the mask depths
     for d in range(1, k):
         eligible = kept[kept + d + 1 < seq_len]  # (n_elig,) chain complete and label in range
         if drop_tokens:
-            count = min(depth_keep_count(seq_len, d, ratio, min_ratio), eligible.numel())
+            count = min(depth_keep_count(span, d, ratio, min_ratio), eligible.numel())
             order = torch.randperm(eligible.numel(), generator=generator)[:count]  # (count,)
             kept = eligible[order].sort().values  # (count,)
         else:

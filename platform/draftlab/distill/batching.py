@@ -69,7 +69,9 @@ def collate(
     as `dtype`).
 
     Nodes whose label is a response token carry loss; with `loss_on_prompt`, every node
-    with a label does (after the first token, which nothing predicts).
+    with a label does (after the first token, which nothing predicts). Without it, mask nodes
+    whose whole chain predicts prompt tokens are left out (`first_anchor`): they would cost a
+    step's compute and carry no loss.
     """
     layouts, seqs = [], []
     for s in samples:
@@ -77,7 +79,12 @@ def collate(
         if ids.numel() < 3:
             raise ValueError("training sequences need at least 3 tokens (prompt + response)")
         seqs.append(ids)
-        layouts.append(build_group_layout(ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator))
+        # Node (a, d) predicts x_{a+d+2}; the deepest of an anchor's chain (d = k-1) reaches
+        # the response (index prompt_len) from a = prompt_len - k - 1 on.
+        first = 0 if loss_on_prompt else max(0, int(s["prompt_len"]) - k - 1)
+        layouts.append(
+            build_group_layout(ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator, first_anchor=first)
+        )
     B, L = len(samples), max(s.numel() for s in seqs)
     M = max(lay.num_nodes for lay in layouts)
     input_ids = torch.zeros(B, L, dtype=torch.long)
