@@ -1,11 +1,18 @@
-"""Agreement metrics of the objective with a VocabTrim head."""
+"""The objective: its closed-form loss and gradient, and agreement with a VocabTrim head."""
 
 import datasets
+import pytest
 import torch
 
 from draftlab.config import TargetSpec, TrainConfig
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import DistillModule, loss_and_backward, node_losses, noisy
+from draftlab.distill.objective import (
+    DistillModule,
+    gather_states,
+    loss_and_backward,
+    node_losses,
+    noisy,
+)
 from draftlab.distill.worker import frequent_tokens, teacher_states
 from draftlab.models.drafters import init_drafter
 from draftlab.models.target import load_target
@@ -17,12 +24,88 @@ def test_full_vocab_agreement_counts_trimmed_target_tokens_as_misses(tiny):
     teacher = torch.randn(200, tiny.hidden_size, generator=torch.Generator().manual_seed(0)).to(tiny.dtype)
     out = teacher.clone()  # the drafter reproduces the teacher's state exactly
     label = torch.zeros(200, dtype=torch.long)
-    _, _, trimmed = node_losses(drafter, out, teacher, label, TrainConfig())
-    _, _, full = node_losses(drafter, out, teacher, label, TrainConfig(), full_vocab_agreement=True)
+    _, _, trimmed, _ = node_losses(drafter, out, teacher, label, TrainConfig())
+    _, _, full, _ = node_losses(drafter, out, teacher, label, TrainConfig(), full_vocab_agreement=True)
     in_vocab = tiny.lm_head(teacher).argmax(-1) < 16  # (N,)
     assert trimmed.all()  # over the trimmed head, a perfect copy always agrees
     assert torch.equal(full, in_vocab)  # ... but not where the target's token was trimmed away
     assert 0 < int(in_vocab.sum()) < 200
+
+
+def _autograd_reference(drafter, out, teacher, label, cfg, n_total):
+    """The objective as autograd sees it: per-node KL(teacher || drafter) over the head's
+    vocabulary plus cross-entropy on the data token where the head has it."""
+    o = out.clone().requires_grad_()
+    q_logp = torch.log_softmax(drafter.head_logits(o), -1)
+    p_logp = torch.log_softmax(drafter.head_logits(teacher), -1)
+    kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)
+    row = drafter.head_rows(label)
+    ce = -q_logp.gather(-1, row.clamp(min=0)[:, None])[:, 0]
+    loss = cfg.kl_weight * kl + cfg.ce_weight * torch.where(row >= 0, ce, torch.zeros_like(ce))
+    (grad,) = torch.autograd.grad(loss.sum() / n_total, o)
+    agree = q_logp.argmax(-1) == p_logp.argmax(-1)
+    return loss.detach(), kl.detach(), agree, grad
+
+
+@pytest.mark.parametrize("compile_loss", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("weights", [(1.0, 0.0), (0.7, 0.5)], ids=["kl", "kl+ce"])
+def test_closed_form_loss_and_gradient_equal_autograd(tiny, compile_loss, weights):
+    """`node_losses` writes the gradient through the frozen head in closed form (and may
+    run compiled): the same loss, KL, agreement and gradient as autograd, a trimmed head's
+    missing labels included, for chunks of two sizes (the compiled one goes dynamic)."""
+    drafter = init_drafter("parallel", tiny, k=2, depth=1, seed=0, vocab_size=24).float()
+    drafter.set_vocab(torch.arange(8, 32))
+    cfg = TrainConfig(kl_weight=weights[0], ce_weight=weights[1], compile_loss=compile_loss)
+    g = torch.Generator().manual_seed(1)
+    for n in (40, 17):
+        teacher = torch.randn(n, tiny.hidden_size, generator=g)
+        out = teacher + 0.5 * torch.randn(n, tiny.hidden_size, generator=g)
+        label = torch.randint(0, 40, (n,), generator=g)  # ids < 8 or >= 32 are not in the head
+        assert (drafter.head_rows(label) < 0).any() and (drafter.head_rows(label) >= 0).any()
+        loss, kl, agree, grad = node_losses(drafter, out, teacher, label, cfg, n_total=3 * n)
+        ref_loss, ref_kl, ref_agree, ref_grad = _autograd_reference(drafter, out, teacher, label, cfg, 3 * n)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(kl, ref_kl, rtol=1e-5, atol=1e-6)
+        assert torch.equal(agree, ref_agree) and 0 < int(agree.sum()) < n
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+        assert float(grad.abs().max()) > 1e-4
+    _, _, _, none = node_losses(drafter, out, teacher, label, cfg, backward=False)
+    assert none is None
+
+
+def test_a_training_step_has_the_gradients_of_the_whole_objective_under_autograd(tiny):
+    """loss_and_backward (closed-form head gradient per chunk, EAGLE's feature loss by
+    autograd, one decoder backward) against one autograd graph over the whole objective:
+    the same loss and parameter gradients."""
+    cfg = TrainConfig(kl_weight=1.0, ce_weight=0.3, feature_weight=0.5)
+    g = torch.Generator().manual_seed(2)
+    rows = [{"input_ids": torch.randint(3, 100, (n,), generator=g).tolist(), "prompt_len": 4} for n in (21, 15)]
+    batch = collate(rows, 3, 64, False, None)
+    results = []
+    for closed_form in (True, False):
+        drafter = init_drafter("p-eagle", tiny, k=3, depth=1, seed=0).float().train()
+        hidden = teacher_states(tiny, batch, drafter.aux_layers)
+        module = DistillModule(drafter)
+        if closed_form:
+            loss = loss_and_backward(module, drafter, batch, hidden, cfg, 3).loss
+        else:
+            out = module(batch, hidden)[batch.loss_mask]  # (N, H)
+            teacher = gather_states(hidden[..., -out.shape[-1] :], batch.teacher_idx)[batch.loss_mask]
+            label, depth = batch.label[batch.loss_mask], batch.depth[batch.loss_mask]
+            q_logp = torch.log_softmax(drafter.head_logits(out), -1)
+            p_logp = torch.log_softmax(drafter.head_logits(teacher), -1)
+            ce = -q_logp.gather(-1, drafter.head_rows(label)[:, None])[:, 0]
+            feat = torch.nn.functional.smooth_l1_loss(out, teacher, reduction="none").mean(-1)
+            per_node = (p_logp.exp() * (p_logp - q_logp)).sum(-1) + 0.3 * ce + 0.5 * torch.where(depth == 0, feat, 0.0)
+            total = per_node.mean()
+            total.backward()
+            loss = float(total)
+        results.append((loss, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (loss1, g1), (loss2, g2) = results
+    assert loss1 == pytest.approx(loss2, rel=1e-5)
+    assert g1.keys() == g2.keys() and len(g1) > 3
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6 * float(g2[n].abs().max()), msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_lr_decays_with_whichever_budget_runs_out_first():

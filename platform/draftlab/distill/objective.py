@@ -2,8 +2,9 @@
 
 DistillModule is what DDP/FSDP wraps: one forward from a `Batch` (plus the target's states)
 to the drafter's output states. The loss runs on detached outputs in node chunks so the
-(B, M, V) logits never exist at once; the summed gradient is then pushed through the
-decoder in one backward (one DDP all-reduce).
+(B, M, V) logits never exist at once, and each chunk's gradient w.r.t. the outputs is
+written in closed form through the frozen head (`distill_terms`); the summed gradient is
+then pushed through the decoder in one backward (one DDP all-reduce).
 """
 
 from __future__ import annotations
@@ -101,37 +102,86 @@ class Stats:
         return out
 
 
+def distill_terms(
+    z: torch.Tensor,  # (N, V) drafter logits over the head's vocabulary (any float dtype)
+    t: torch.Tensor,  # (N, V) teacher logits over the same vocabulary
+    label_row: torch.Tensor,  # (N,) head row of the data token, -1 = none (trimmed away)
+    grad_scale: torch.Tensor,  # (2,) d total / d (KL, CE) of one node: the weights / node count
+    ce: bool,  # the cross-entropy term is on
+    grad_dtype: torch.dtype | None,  # None: no gradient (evaluation)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-node KL(teacher || drafter) (N,), cross-entropy on the data token (N,; 0 without
+    `ce` or a label), top-1 agreement (N,) bool, and the step's gradient w.r.t. `z` (N, V) in
+    `grad_dtype`:
+    grad_scale[0] * (q - p) + grad_scale[1] * (q - onehot(label)), q and p the two softmaxes.
+
+    A closed form, so no autograd graph spans the (N, V) logits, and a pure function that
+    `torch.compile` fuses into a few loops (`TrainConfig.compile_loss`). The math is float32
+    whatever the logits' dtype (the upcast happens inside the fused loop)."""
+    z, t = z.float(), t.float()
+    p_logp = torch.log_softmax(t, -1)  # (N, V)
+    p = p_logp.exp()
+    q_logp = torch.log_softmax(z, -1)  # (N, V)
+    xent = torch.zeros(z.shape[0], device=z.device)  # (N,)
+    hit = None
+    if ce:
+        has = label_row >= 0  # (N,)
+        hit = torch.arange(z.shape[-1], device=z.device) == label_row[:, None]  # (N, V) one-hot (none: all False)
+        xent = torch.where(has, -(q_logp * hit).sum(-1), 0.0)
+    kl = torch.linalg.vecdot(p, p_logp.sub_(q_logp))  # (N,) sum_v p (log p - log q)
+    agree = z.max(-1).indices == t.max(-1).indices  # (N,); max, not argmax: the same first index, faster on CPU
+    if grad_dtype is None:
+        return kl, xent, agree, None
+    q = q_logp.exp_()  # (N, V), in place: eager training makes few (N, V) temporaries
+    grad = (q - p).mul_(grad_scale[0])
+    if hit is not None:
+        grad += (q - hit.float()).mul_(has[:, None] * grad_scale[1])
+    return kl, xent, agree, grad.to(grad_dtype)
+
+
+_compiled_terms: list = []  # [torch.compile(distill_terms)], built on first use
+
+
+def terms_fn(compile_loss: bool):
+    """`distill_terms`, compiled (once per process, shapes dynamic after the first) or eager."""
+    if not compile_loss:
+        return distill_terms
+    if not _compiled_terms:
+        _compiled_terms.append(torch.compile(distill_terms))
+    return _compiled_terms[0]
+
+
 def node_losses(
     drafter: DrafterNet,
     out: torch.Tensor,  # (N, H) drafter outputs of loss nodes
     teacher_h: torch.Tensor,  # (N, H) target states at the teacher positions
     label: torch.Tensor,  # (N,) data tokens
     cfg: TrainConfig,
+    n_total: int = 1,
+    backward: bool = True,
     full_vocab_agreement: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-node loss (N,), KL (N,) and top-1 agreement (N,) bool.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-node loss (N,), KL (N,), top-1 agreement (N,) bool, and with `backward` the
+    gradient of sum(loss) / n_total w.r.t. `out` (N, H) (through the frozen head; no autograd
+    graph), else None.
 
     Agreement compares argmaxes over the head's vocabulary, or with `full_vocab_agreement`
     over the target's whole vocabulary (a target token that VocabTrim dropped is a miss:
     what the engine sees; costs a full-vocabulary head pass, so evaluation only)."""
-    q_logp = torch.log_softmax(drafter.head_logits(out), -1)  # (N, Vt)
     with torch.no_grad():
-        t_logits = drafter.head_logits(teacher_h)  # (N, Vt) teacher over the same vocab
-        p_logp = torch.log_softmax(t_logits, -1)
-    kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)  # (N,)
-    loss = cfg.kl_weight * kl
-    if cfg.ce_weight:
-        idx = drafter.head_rows(label)  # tokens outside a trimmed head are skipped
-        ce = -q_logp.gather(-1, idx.clamp(min=0)[:, None])[:, 0]  # (N,)
-        loss = loss + cfg.ce_weight * torch.where(idx >= 0, ce, torch.zeros_like(ce))
-    if full_vocab_agreement:
-        with torch.no_grad():
-            head = drafter.target_head_weight  # (V, H)
-            want = torch.nn.functional.linear(teacher_h.to(head.dtype), head).argmax(-1)  # (N,) target ids
-        agree = drafter.head_rows(want) == q_logp.argmax(-1)  # a trimmed-away target token (-1) never agrees
-    else:
-        agree = q_logp.argmax(-1) == t_logits.argmax(-1)  # (N,)
-    return loss, kl.detach(), agree
+        z = drafter.head_logits(out, upcast=False)  # (N, Vt) in the head's dtype
+        t = drafter.head_logits(teacher_h, upcast=False)  # (N, Vt) teacher over the same vocab
+        scale = torch.tensor([cfg.kl_weight, cfg.ce_weight], device=z.device) / n_total  # (2,)
+        head = drafter.head_weight  # (Vt, H)
+        kl, xent, agree, grad_z = terms_fn(cfg.compile_loss)(
+            z, t, drafter.head_rows(label), scale, bool(cfg.ce_weight), head.dtype if backward else None
+        )
+        grad_out = None if grad_z is None else (grad_z @ head).to(out.dtype)  # (N, H): z = out @ head.T
+        if full_vocab_agreement:
+            full = drafter.target_head_weight  # (V, H)
+            want = torch.nn.functional.linear(teacher_h.to(full.dtype), full).argmax(-1)  # (N,) target ids
+            agree = drafter.head_rows(want) == z.float().argmax(-1)  # a trimmed-away target token (-1) never agrees
+    return cfg.kl_weight * kl + cfg.ce_weight * xent, kl, agree, grad_out
 
 
 def loss_and_backward(
@@ -156,19 +206,22 @@ def loss_and_backward(
     stats = Stats(k)
     grads = []
     for s in range(0, flat_out.shape[0], CHUNK_NODES):
-        o = flat_out[s : s + CHUNK_NODES].requires_grad_(backward)
-        loss, kl, agree = node_losses(
-            drafter, o, teacher[s : s + CHUNK_NODES], label[s : s + CHUNK_NODES], cfg, full_vocab_agreement=not backward
+        o = flat_out[s : s + CHUNK_NODES]
+        t_h, d = teacher[s : s + CHUNK_NODES], depth[s : s + CHUNK_NODES]
+        loss, kl, agree, g = node_losses(
+            drafter, o, t_h, label[s : s + CHUNK_NODES], cfg, n_total, backward, full_vocab_agreement=not backward
         )
-        d = depth[s : s + CHUNK_NODES]
         if cfg.feature_weight:  # EAGLE feature regression: depth-0 output ~ next target state
-            feat = F.smooth_l1_loss(o.float(), teacher[s : s + CHUNK_NODES].float(), reduction="none").mean(-1)
-            loss = loss + cfg.feature_weight * torch.where(d == 0, feat, torch.zeros_like(feat))
-        total = loss.sum() / n_total
+            o = o.requires_grad_(backward)
+            feat = F.smooth_l1_loss(o.float(), t_h.float(), reduction="none").mean(-1)  # (n,)
+            feat = cfg.feature_weight * torch.where(d == 0, feat, torch.zeros_like(feat))
+            if backward:
+                (g_feat,) = torch.autograd.grad(feat.sum() / n_total, o)
+                g = g + g_feat.to(g.dtype)
+            loss = loss + feat.detach()
         if backward:
-            (g,) = torch.autograd.grad(total if scaler is None else scaler.scale(total), o)
-            grads.append(g)
-        stats.loss += float(total.detach())
+            grads.append(g if scaler is None else scaler.scale(g))
+        stats.loss += float(loss.sum()) / n_total
         for j in range(k):
             on = d == j
             stats.nodes[j] += int(on.sum())

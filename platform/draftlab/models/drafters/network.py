@@ -193,13 +193,20 @@ class DrafterNet(nn.Module):
             self._head_row = torch.full((w.shape[0],), -1, dtype=torch.long, device=w.device)
             self._head_row[self.vocab_ids] = torch.arange(self.cfg.vocab_size, device=w.device)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """(Vt, H) the frozen head rows in use: `head_logits(h)` is h @ head_weight.T."""
+        return self._head_weight
+
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Map full target ids to rows of the head (-1 where VocabTrim dropped the id)."""
         return ids if self._head_row is None else self._head_row[ids]
 
-    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., Vt) float32 logits over the head's vocabulary (training)."""
-        return torch.nn.functional.linear(h.to(self._head_weight.dtype), self._head_weight).float()
+    def head_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """(..., H) -> (..., Vt) logits over the head's vocabulary (training): float32, or
+        without `upcast` in the head's dtype (for a consumer that upcasts in a fused kernel)."""
+        z = torch.nn.functional.linear(h.to(self.head_weight.dtype), self.head_weight)
+        return z.float() if upcast else z
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V) logits over the full target vocabulary (trimmed ids = -inf)."""
