@@ -9,6 +9,7 @@ then pushed through the decoder in one backward (one DDP all-reduce).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -139,16 +140,11 @@ def distill_terms(
     return kl, xent, agree, grad.to(grad_dtype)
 
 
-_compiled_terms: list = []  # [torch.compile(distill_terms)], built on first use
-
-
-def terms_fn(compile_loss: bool):
-    """`distill_terms`, compiled (once per process, shapes dynamic after the first) or eager."""
-    if not compile_loss:
-        return distill_terms
-    if not _compiled_terms:
-        _compiled_terms.append(torch.compile(distill_terms))
-    return _compiled_terms[0]
+@functools.cache
+def compiled_terms():
+    """`distill_terms` under `torch.compile`: built on first use, once per process (shapes go
+    dynamic after the first recompile)."""
+    return torch.compile(distill_terms)
 
 
 def node_losses(
@@ -173,7 +169,7 @@ def node_losses(
         t = drafter.head_logits(teacher_h, upcast=False)  # (N, Vt) teacher over the same vocab
         scale = torch.tensor([cfg.kl_weight, cfg.ce_weight], device=z.device) / n_total  # (2,)
         head = drafter.head_weight  # (Vt, H)
-        kl, xent, agree, grad_z = terms_fn(cfg.compile_loss)(
+        kl, xent, agree, grad_z = (compiled_terms() if cfg.compile_loss else distill_terms)(
             z, t, drafter.head_rows(label), scale, bool(cfg.ce_weight), head.dtype if backward else None
         )
         grad_out = None if grad_z is None else (grad_z @ head).to(out.dtype)  # (N, H): z = out @ head.T
