@@ -352,7 +352,9 @@ class PromptSourceConfig(StrictModel):
     pipeline jobs fail at start when no Hugging Face token is set (`HF_TOKEN`). None = true
     under `meta-llama/` and `google/gemma`, false for others; local files never need one."""
     num_prompts: int = Field(512, ge=1)
-    """How many prompts to use (after dedup and filtering)."""
+    """How many prompts to use (after dedup and filtering): the first this many of the
+    source's stream. Changing it reuses what is cached: a larger count resumes the cached
+    prompts and copies the responses of a cached smaller data set (same other settings)."""
     min_chars: int = Field(8, ge=1)
     """Drop prompts shorter than this."""
     max_prompt_tokens: int = Field(128, ge=4)

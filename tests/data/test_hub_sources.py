@@ -17,7 +17,7 @@ import ray
 
 from draftlab.cli import main
 from draftlab.config import ConfigError, PromptSourceConfig, TargetSpec
-from draftlab.data.selfdistill import dataset_key
+from draftlab.data.cache import dataset_key
 from draftlab.data.sources import load_prompts_from_source
 from draftlab.submit import check_hub_access
 

@@ -16,16 +16,10 @@ import ray
 import torch
 
 from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
-from draftlab.data import selfdistill
-from draftlab.data.selfdistill import (
-    cache_path,
-    dataset_key,
-    generation_spec,
-    load_or_generate,
-    prompts_cache_file,
-    shard_dir,
-)
-from draftlab.data.sources import dedup_key, junk_reason, load_prompts_from_source, reject_reason
+from draftlab.data import cache, selfdistill
+from draftlab.data.cache import cache_path, dataset_key, key_inputs, prompts_cache_file, shard_dir
+from draftlab.data.selfdistill import generation_spec, load_or_generate
+from draftlab.data.sources import collect_prompts, dedup_key, junk_reason, load_prompts_from_source, reject_reason
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import cpu_has_fast_bf16
 
@@ -210,6 +204,24 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(tiny):
     assert load_prompts_from_source(cfg.model_copy(update={"seed": 4}), tiny, progress=False) != got
 
 
+@pytest.mark.parametrize("kind", ["magpie", "dataset"])
+def test_a_longer_prompt_list_resumes_the_stream_where_a_shorter_one_stopped(tiny, data_cfg, kind):
+    if kind == "magpie":  # 3 turns a round: 5 prompts end inside a round, which is written again
+        cfg = PromptSourceConfig(kind="magpie", num_prompts=9, min_chars=4, max_prompt_tokens=16, seed=5)
+    else:
+        cfg = data_cfg.source.model_copy(update={"num_prompts": 9})
+    kw = dict(progress=False, magpie_batch_size=3, magpie_max_rounds=80)  # a round cap no run reaches
+    fresh = collect_prompts(cfg, tiny, **kw)
+    short = collect_prompts(cfg.model_copy(update={"num_prompts": 5}), tiny, **kw)
+    assert len(fresh.prompts) == 9 and short.prompts == fresh.prompts[:5] and short.consumed < fresh.consumed
+    assert kind == "dataset" or short.consumed % 3, "the seed should stop the short list inside a round"
+    assert collect_prompts(cfg, tiny, **kw, start=short) == fresh
+    smaller = cfg.model_copy(update={"num_prompts": 2})  # a longer list is cut, nothing collected
+    assert collect_prompts(smaller, None, start=fresh).prompts == fresh.prompts[:2]
+    with pytest.raises(ValueError, match="stream position"):
+        collect_prompts(cfg, tiny, progress=False, start=cache.PromptList(short.prompts, consumed=None))
+
+
 def test_magpie_returns_what_it_has_when_rounds_run_out(tiny, caplog):
     cfg = PromptSourceConfig(kind="magpie", num_prompts=50, min_chars=4, max_prompt_tokens=16)
     with caplog.at_level(logging.WARNING, logger="draftlab.data.sources"):
@@ -338,20 +350,63 @@ def test_prompts_are_cached_apart_from_generation_settings(ray_local, data_cfg, 
     data = data_cfg.model_copy(update={"max_new_tokens": 4, "cache_dir": str(tmp_path)})
     first = load_or_generate(data, TINY, progress=False)
     cached = prompts_cache_file(data, tiny.fingerprint)
-    assert json.loads(cached.read_text()) == PROMPTS
+    assert json.loads(cached.read_text()) == {"prompts": PROMPTS, "consumed": len(PROMPTS)}
 
     def no_source(*args, **kwargs):
         raise AssertionError("the cached prompt list should have been reused")
 
-    monkeypatch.setattr(sources, "load_prompts_from_source", no_source)
+    monkeypatch.setattr(sources, "collect_prompts", no_source)
     longer = data.model_copy(update={"max_new_tokens": 6})  # a new dataset key, the same prompts
     assert prompts_cache_file(longer, tiny.fingerprint) == cached
     assert cache_path(longer, tiny.fingerprint) != cache_path(data, tiny.fingerprint)
     again = load_or_generate(longer, TINY, progress=False)
     assert samples(again) != samples(first)  # longer responses
     assert [r["prompt"] for r in samples(again)] == [r["prompt"] for r in samples(first)]
-    other_source = data.source.model_copy(update={"num_prompts": 4})
+    other_source = data.source.model_copy(update={"seed": 4})
     assert prompts_cache_file(data.model_copy(update={"source": other_source}), tiny.fingerprint) != cached
+
+
+def test_a_larger_data_set_reuses_the_smaller_ones_shards(ray_local, generated, data_cfg, tiny, tmp_path, monkeypatch,
+                                                          caplog):
+    def sized(n):
+        return data_cfg.model_copy(update={"source": data_cfg.source.model_copy(update={"num_prompts": n}),
+                                           "cache_dir": str(tmp_path)})
+
+    load_or_generate(sized(8), TINY, progress=False)  # 2 shards of 4
+    with caplog.at_level(logging.INFO, logger="draftlab.data"):
+        grown = load_or_generate(sized(12), TINY, progress=False)
+    assert "reused 2 of 3 shards to generate" in caplog.text
+    meta = json.loads((cache_path(sized(12), tiny.fingerprint) / "dataset" / "meta.json").read_text())
+    assert meta["reused_from"] == {"key": dataset_key(sized(8), tiny.fingerprint), "shards": 2}
+    assert json.loads(prompts_cache_file(sized(12), tiny.fingerprint).read_text())["prompts"] == PROMPTS
+    # the same samples as a generation from scratch (the `generated` fixture: 12 prompts)
+    for split in ("train", "eval"):
+        assert grown[split]["prompt"] == generated[split]["prompt"]
+        assert grown[split]["input_ids"] == generated[split]["input_ids"]
+        np.testing.assert_array_equal(np.concatenate(grown[split].with_format("numpy")["hidden"]),
+                                      np.concatenate(generated[split].with_format("numpy")["hidden"]))
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("every shard of a smaller set lies within a cached one")
+
+    monkeypatch.setattr(selfdistill, "_run_shards", no_generation)
+    shrunk = load_or_generate(sized(6), TINY, progress=False)  # from the 12-prompt set: 1 full shard, 1 half
+    assert sorted(r["prompt"] for r in samples(shrunk)) == sorted(PROMPTS[:6])
+    assert samples(shrunk) == [r for r in samples(generated) if r["prompt"] in PROMPTS[:6]]
+
+
+def test_sampled_responses_are_reused_only_from_shards_of_the_same_size(data_cfg, tmp_path):
+    data = data_cfg.model_copy(update={"temperature": 0.8, "cache_dir": str(tmp_path)})
+    small = data.model_copy(update={"source": data.source.model_copy(update={"num_prompts": 8})})
+    donor = tmp_path / "donor" / "dataset"
+    donor.mkdir(parents=True)
+    meta = {"key": "donor", "inputs": key_inputs(small, "fp"), "num_prompts": 8, "shard_size": 4}
+    (donor / "meta.json").write_text(json.dumps(meta))
+    root = cache_path(data, "fp")
+    assert cache._best_donor(root, data, "fp", shard_size=4)[0] == donor
+    assert cache._best_donor(root, data, "fp", shard_size=2) is None  # prompt i samples by shard and place in it
+    greedy = data.model_copy(update={"temperature": 0.0})
+    assert cache._best_donor(root, greedy, "fp", shard_size=4) is None  # other key inputs
 
 
 def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_path, caplog):

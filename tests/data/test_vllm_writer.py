@@ -15,13 +15,8 @@ import pytest
 import ray
 
 from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
-from draftlab.data.selfdistill import (
-    dataset_key,
-    generate_responses,
-    load_or_generate,
-    open_writer,
-    prompts_cache_file,
-)
+from draftlab.data.cache import dataset_key, prompts_cache_file
+from draftlab.data.selfdistill import generate_responses, load_or_generate, open_writer
 from draftlab.data.sources import dedup_key, load_prompts_from_source, reject_reason
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import load_target

@@ -7,32 +7,16 @@ of `num_actors` actors, each holding one copy of the target, generates a shard a
 itself, so a killed job keeps every finished shard and a rerun only does the rest. The
 driver then concatenates the shards in order, splits train/eval and saves the result.
 
-Cache layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
-
-    root/<key>.lock                 serialises drivers working on the same key
-    root/<key>/dataset/             final DatasetDict ("train", "eval"), + meta.json
-    root/<key>/work/prompts.json    the prompts and shard size (a resumed run reuses them)
-    root/<key>/work/shards/shard-00003/   one generated shard (Dataset.save_to_disk)
-
-`<key>` hashes everything that changes the samples: the target's weights fingerprint, the
-prompt source (and the size/mtime of local source files), max_new_tokens, temperature,
-top_p, store_features, aux_layers, eval_fraction and the writers of prompts and responses
-(`hf` or `vllm`). Batch size, actor count, shard size and device are left out on purpose:
-they change speed, not results, except that batched left-padded
-generation can flip a near-tied greedy argmax through padding numerics (and GPU/CPU kernels
-differ slightly too). We accept that rather than invalidate caches on a resource change.
+The cache (keys, layout, growth from a smaller data set) is `draftlab.data.cache`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,96 +27,25 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessorList
 
-from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, TargetSpec
+from draftlab.config import ConfigError, DataConfig, TargetSpec
+from draftlab.data.cache import (
+    cache_path,
+    dataset_key,
+    key_inputs,
+    reuse_donor_shards,
+    save_atomic,
+    save_prompts,
+    shard_dir,
+    stored_prompts,
+    write_json_atomic,
+    writers,
+)
 from draftlab.data.sampling import TopKTopPSampler
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-"""Bump when the stored columns or their meaning change: old caches are then ignored."""
 _FP16_MAX = 65504.0  # float16's largest finite value; bf16/fp32 features are clamped to it
-
-
-# --- cache keys and layout ---------------------------------------------------------------
-
-
-def _source_stamp(source: PromptSourceConfig) -> list | None:
-    """Sizes and mtimes of a local source file/dir, so editing it invalidates the cache."""
-    if source.kind != "dataset" or not source.path:
-        return None
-    path = Path(source.path).expanduser()
-    if path.is_file():
-        return [[path.name, path.stat().st_size, path.stat().st_mtime_ns]]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-        return [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    return None  # a hub name
-
-
-def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
-    """Everything that determines the generated samples (see the module docstring)."""
-    return {
-        "format": FORMAT_VERSION,
-        "target": target_fingerprint,
-        "source": data.source.model_dump(mode="json"),
-        "source_files": _source_stamp(data.source),
-        "max_new_tokens": data.max_new_tokens,
-        "temperature": data.temperature,
-        "top_p": data.top_p,
-        "store_features": data.store_features,
-        "eval_fraction": data.eval_fraction,
-    } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {}) | (  # older keys stay valid
-        {"generator": data.generator, "prompt_generator": data.prompt_generator} if _writers(data) != {"hf"} else {}
-    )
-
-
-def _writers(data: DataConfig) -> set[str]:
-    """The generators `data` starts (magpie prompts, then responses)."""
-    return {data.generator} | ({data.prompt_generator} if data.source.kind == "magpie" else set())
-
-
-def _digest(inputs: dict) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def dataset_key(data: DataConfig, target_fingerprint: str) -> str:
-    """Stable hex digest of `key_inputs`: the cache directory's name."""
-    return _digest(key_inputs(data, target_fingerprint))
-
-
-def cache_root(data: DataConfig) -> Path:
-    from draftlab.models.presets import cache_dir
-
-    return Path(data.cache_dir).expanduser() if data.cache_dir else cache_dir() / "data"
-
-
-def cache_path(data: DataConfig, target_fingerprint: str) -> Path:
-    """The key directory for these inputs (it may not exist yet)."""
-    return cache_root(data) / dataset_key(data, target_fingerprint)
-
-
-def shard_dir(work_dir: Path, index: int) -> Path:
-    return Path(work_dir) / "shards" / f"shard-{index:05d}"
-
-
-def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: dict | None = None) -> None:
-    """`save_to_disk` into a temp dir beside `dest`, add `extra` json files, then os.replace.
-
-    A reader sees the whole directory or none. If `dest` appeared meanwhile (a retried or
-    concurrent writer finished first) theirs is kept: both hold the same samples.
-    """
-    dest = Path(dest)
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
-    ds.save_to_disk(str(tmp))
-    for name, obj in (extra or {}).items():
-        (tmp / name).write_text(json.dumps(obj, indent=2))
-    try:
-        os.replace(tmp, dest)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not dest.is_dir():
-            raise
 
 
 # --- generation: pure functions of a loaded target (they run inside the actors) ----------
@@ -349,42 +262,32 @@ def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> t
             )
         return saved["prompts"], saved["shard_size"]
     prompts = _cached_prompts(data, target, progress)
-    _write_json_atomic(plan, {"shard_size": data.shard_size, "prompts": prompts})
+    write_json_atomic(plan, {"shard_size": data.shard_size, "prompts": prompts})
     return prompts, data.shard_size
 
 
-def _write_json_atomic(dest: Path, obj) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False))
-    os.replace(tmp, dest)
-
-
-def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
-    """Where the prompt list of this source is cached, apart from any generation setting:
-    changing `max_new_tokens` or `temperature` reuses the prompts (magpie ones are costly)."""
-    keys = key_inputs(data, target_fingerprint)
-    inputs = {name: keys[name] for name in ("format", "target", "source", "source_files")}
-    magpie = data.source.kind == "magpie"
-    inputs["magpie_batch_size"] = data.batch_size if magpie else None
-    if magpie and data.prompt_generator != "hf":  # older keys stay valid
-        inputs["generator"] = data.prompt_generator
-    return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
-
-
 def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:
-    from draftlab.data.sources import load_prompts_from_source
+    """The source's first `num_prompts` prompts: cut from the cached list, or collected (a
+    shorter cached list is extended where its stream stopped) and cached."""
+    from draftlab.data.sources import collect_prompts
 
-    cached = prompts_cache_file(data, target.fingerprint)
-    if cached.is_file():
-        logger.info("prompts: reusing %s", cached)
-        return json.loads(cached.read_text())
+    cached = stored_prompts(data, target.fingerprint)
+    if cached is not None and len(cached.prompts) >= data.source.num_prompts:
+        logger.info("prompts: reusing the cached list of %d", len(cached.prompts))
+        return cached.prompts[: data.source.num_prompts]
+    start = cached if cached is not None and cached.consumed is not None else None
     writes = data.source.kind == "magpie"  # the target writes magpie prompts
     with open_writer(data, target, data.prompt_generator) if writes else contextlib.nullcontext(None) as writer:
-        prompts = load_prompts_from_source(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
-                                           writer=writer)
-    _write_json_atomic(cached, prompts)
-    return prompts
+        got = collect_prompts(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
+                              writer=writer, start=start)
+    save_prompts(data, target.fingerprint, got)
+    return got.prompts
+
+
+def _needs_prompt_writer(data: DataConfig, target_fingerprint: str) -> bool:
+    """Whether the target must write (more) magpie prompts for `data`."""
+    cached = stored_prompts(data, target_fingerprint)
+    return data.source.kind == "magpie" and (cached is None or len(cached.prompts) < data.source.num_prompts)
 
 
 def _run_shards(
@@ -457,7 +360,7 @@ def _concat_shards(work: Path, num_shards: int) -> datasets.Dataset:
 
 def _meta(
     ds: datasets.Dataset, dsd: datasets.DatasetDict, data: DataConfig, target_spec: TargetSpec,
-    fingerprint: str, num_prompts: int,
+    fingerprint: str, num_prompts: int, shard_size: int, reused: dict | None,
 ) -> dict:
     prompt_tokens, response_tokens = token_counts(ds)
     return {
@@ -466,6 +369,8 @@ def _meta(
         "inputs": key_inputs(data, fingerprint),
         "target": target_spec.model_dump(mode="json"),
         "num_prompts": num_prompts,
+        "shard_size": shard_size,
+        "reused_from": reused,  # {"key", "shards"}: shards copied from a cached data set of the same stream
         "num_samples": ds.num_rows,
         "num_dropped_empty": num_prompts - ds.num_rows,
         "num_train": dsd["train"].num_rows,
@@ -505,11 +410,12 @@ def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig,
         "self-distillation data at %s: %d prompts in %d shards, %d to generate",
         root, len(prompts), num_shards, len(todo),
     )
+    todo, reused = reuse_donor_shards(root, todo, prompts, shard_size, data, fingerprint, progress)
     if todo:
         _run_shards(todo, prompts, shard_size, num_shards, data, target_spec, work, progress)
     ds = _concat_shards(work, num_shards)
     dsd = _split(ds, data.eval_fraction, data.source.seed)
-    meta = _meta(ds, dsd, data, target_spec, fingerprint, len(prompts))
+    meta = _meta(ds, dsd, data, target_spec, fingerprint, len(prompts), shard_size, reused)
     save_atomic(dsd, root / "dataset", extra={"meta.json": meta})
     logger.info(
         "saved self-distillation data at %s (%d train, %d eval)", root / "dataset", meta["num_train"], meta["num_eval"]
@@ -528,7 +434,7 @@ def training_view(ds: datasets.Dataset | datasets.DatasetDict):
 
 def _check_generator(data: DataConfig) -> None:
     """Fail before any work (and not inside an actor) when the chosen writer is missing."""
-    if "vllm" in _writers(data):
+    if "vllm" in writers(data):
         from draftlab.vllm_offline import require_vllm
 
         field = "generator" if data.generator == "vllm" else "prompt_generator"
@@ -565,7 +471,7 @@ def load_or_generate(
             logger.info("reusing cached self-distillation data at %s", final)
         else:
             _check_generator(data)
-            if data.source.kind == "magpie" and not prompts_cache_file(data, fingerprint).is_file():
+            if _needs_prompt_writer(data, fingerprint) and not (root / "work" / "prompts.json").is_file():
                 on_driver = spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"})
                 target = load_target(on_driver)
             prompts, shard_size = _prompts_and_plan(root / "work", data, target, progress)

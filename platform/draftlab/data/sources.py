@@ -2,18 +2,22 @@
 the target itself (Magpie: sample from its chat template's bare user-turn header).
 
 Both kinds go through the same filters (`reject_reason`) and deduplication, so a prompt set
-is clean whatever produced it. The junk filter is language-agnostic: it looks at Unicode
+is clean whatever produced it. Both are deterministic streams (rows in order; magpie rounds
+seeded by their index), so the prompts for `num_prompts = n` are the first n of those for
+any larger count, and `collect_prompts` can resume a shorter list where it stopped. The junk filter is language-agnostic: it looks at Unicode
 categories, never at ASCII ranges, so Chinese, Cyrillic or Arabic prompts pass.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,20 +88,32 @@ def dedup_key(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-class _Collector:
-    """Strips, filters and deduplicates candidate prompts; counts why others were dropped."""
+@dataclass(frozen=True)
+class PromptList:
+    """Prompts collected from a source stream, and how many of the stream's texts (kept or
+    dropped) that took: where a longer list resumes (None: not recorded, it cannot)."""
 
-    def __init__(self, cfg: PromptSourceConfig, tokenizer):
+    prompts: list[str]
+    consumed: int | None
+
+
+class _Collector:
+    """Strips, filters and deduplicates candidate prompts; counts why others were dropped.
+    Starts from `start` (a shorter list of the same stream) when given."""
+
+    def __init__(self, cfg: PromptSourceConfig, tokenizer, start: PromptList | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.prompts: list[str] = []
+        self.prompts: list[str] = list(start.prompts) if start else []
+        self.consumed = start.consumed if start else 0
         self.dropped: Counter[str] = Counter()
-        self._seen: set[str] = set()
+        self._seen: set[str] = {dedup_key(p) for p in self.prompts}
 
     @property
     def full(self) -> bool:
         return len(self.prompts) >= self.cfg.num_prompts
 
     def offer(self, text: str | None) -> bool:
+        self.consumed += 1
         if not isinstance(text, str):
             self.dropped["no text"] += 1
             return False
@@ -174,7 +190,8 @@ def first_user_turn(conversation: object) -> str | None:
     return None
 
 
-def _dataset_texts(cfg: PromptSourceConfig) -> Iterator[str | None]:
+def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[str | None]:
+    """The prompt column's texts from row `first` on."""
     ds = _open_dataset(cfg)
     column = cfg.conversations or cfg.field
     if column is None:
@@ -185,7 +202,8 @@ def _dataset_texts(cfg: PromptSourceConfig) -> Iterator[str | None]:
             f"{_describe(cfg)} has no column {column!r} (source.{which}); "
             f"available columns: {ds.column_names}"
         )
-    for value in ds.select_columns([column]):  # lazy: rows are read until enough are kept
+    rows = ds.select_columns([column])
+    for value in rows.select(range(min(first, rows.num_rows), rows.num_rows)):  # lazy: read until enough are kept
         value = value[column]
         yield first_user_turn(value) if cfg.conversations else value
 
@@ -220,11 +238,24 @@ def _end_of_turn_ids(target, tokenizer) -> list[int]:
 _VLLM_MAGPIE_REQUESTS = 256  # turns a vLLM writer is asked for at a time (whole rounds; the last call overshoots)
 
 
-def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int, writer=None) -> Iterator[str]:
-    """Sample user turns from the user-turn header, `batch_size` at a time, for `max_rounds`;
-    round r opens every turn of its batch with `cfg.magpie_seeds[r % len(seeds)]`. Written
-    by HF `generate` on `target`, or by `writer` (a `VllmEngine`, several rounds per call,
-    turn b of round r seeded with `cfg.seed * 1_000_003 + r * batch_size + b`)."""
+def _magpie_texts(
+    cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int, writer=None, first: int = 0
+) -> Iterator[str]:
+    """Sample user turns from the user-turn header, `batch_size` at a time, up to round
+    `max_rounds`; round r opens every turn of its batch with `cfg.magpie_seeds[r % len(seeds)]`.
+    Written by HF `generate` on `target`, or by `writer` (a `VllmEngine`, several rounds per
+    call, turn b of round r seeded with `cfg.seed * 1_000_003 + r * batch_size + b`). The
+    stream starts at its text `first`: the round holding it is written again and its
+    earlier turns skipped (every round is seeded by its index)."""
+    yield from itertools.islice(
+        _magpie_rounds(cfg, target, batch_size, first // batch_size, max_rounds, writer), first % batch_size, None
+    )
+
+
+def _magpie_rounds(
+    cfg: PromptSourceConfig, target, batch_size: int, first_round: int, max_rounds: int, writer
+) -> Iterator[str]:
+    """The turns of rounds `first_round` .. `max_rounds - 1` (see `_magpie_texts`)."""
     tok = target.tokenizer
     header = user_turn_header(tok)
     stop = _end_of_turn_ids(target, tok)
@@ -239,7 +270,7 @@ def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: 
 
     if writer is not None:
         per_call = max(1, _VLLM_MAGPIE_REQUESTS // batch_size)
-        for first in range(0, max_rounds, per_call):
+        for first in range(first_round, max_rounds, per_call):
             rounds = range(first, min(first + per_call, max_rounds))
             starts = [opening(r) for r in rounds]
             rows = writer.generate_many(
@@ -252,7 +283,7 @@ def _magpie_texts(cfg: PromptSourceConfig, target, batch_size: int, max_rounds: 
         return
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
-    for round_ in range(max_rounds):
+    for round_ in range(first_round, max_rounds):
         words, start = opening(round_)
         ids = torch.tensor([start] * batch_size, device=target.device)  # (B, P), no padding needed
         with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
@@ -281,7 +312,12 @@ def _collect(texts: Iterable[str | None], collector: _Collector, bar: tqdm) -> N
             return
 
 
-def load_prompts_from_source(
+def load_prompts_from_source(cfg: PromptSourceConfig, target, **kwargs) -> list[str]:
+    """`collect_prompts(...).prompts`: the prompt texts alone."""
+    return collect_prompts(cfg, target, **kwargs).prompts
+
+
+def collect_prompts(
     cfg: PromptSourceConfig,
     target,
     *,
@@ -289,30 +325,41 @@ def load_prompts_from_source(
     magpie_batch_size: int = 16,
     magpie_max_rounds: int | None = None,
     writer=None,
-) -> list[str]:
+    start: PromptList | None = None,
+) -> PromptList:
     """Up to `cfg.num_prompts` filtered, deduplicated prompt texts (in source order).
 
     `target` is a loaded `Target`: its tokenizer measures prompt length, and for
     `kind="magpie"` its model writes the prompts (`kind="dataset"` needs only the tokenizer:
-    a `TargetInfo` from `describe_target` will do) (`magpie_batch_size` samples per call, at
-    most `magpie_max_rounds` calls; default: 4x what a zero-rejection run would need + 2;
+    a `TargetInfo` from `describe_target` will do) (`magpie_batch_size` samples per call, up
+    to round `magpie_max_rounds`; default: 4x what a zero-rejection run would need + 2;
     `writer`: a `VllmEngine` that writes them instead of the target's HF `generate`).
+    `start`, a shorter list collected from the same source, is extended from where it
+    stopped: the result equals a collection from scratch. A `start` at least as long as
+    asked is cut to `cfg.num_prompts`.
     Fewer prompts than asked is a warning, none at all a `ValueError`.
     """
-    collector = _Collector(cfg, target.tokenizer)
-    bar = tqdm(total=cfg.num_prompts, desc=f"prompts ({cfg.kind})", unit="prompt", disable=not progress)
+    if start is not None and len(start.prompts) >= cfg.num_prompts:
+        return PromptList(start.prompts[: cfg.num_prompts], start.consumed)
+    if start is not None and start.consumed is None:
+        raise ValueError("a prompt list without its stream position cannot be extended")
+    collector = _Collector(cfg, target.tokenizer, start)
+    bar = tqdm(total=cfg.num_prompts, initial=len(collector.prompts), desc=f"prompts ({cfg.kind})", unit="prompt",
+               disable=not progress)
     with bar:
         if cfg.kind == "dataset":
-            _collect(_dataset_texts(cfg), collector, bar)
+            _collect(_dataset_texts(cfg, collector.consumed), collector, bar)
             where = _describe(cfg)
         else:
             rounds = magpie_max_rounds or 4 * math.ceil(cfg.num_prompts / magpie_batch_size) + 2
-            _collect(_magpie_texts(cfg, target, magpie_batch_size, rounds, writer), collector, bar)
+            texts = _magpie_texts(cfg, target, magpie_batch_size, rounds, writer, collector.consumed)
+            _collect(texts, collector, bar)
             where = f"magpie prompts from {target.name!r} ({rounds} rounds max)"
-    logger.info("%s: %s", where, collector.summary())
+    resumed = f" ({len(start.prompts)} of them resumed from a shorter list)" if start else ""
+    logger.info("%s: %s%s", where, collector.summary(), resumed)
     if not collector.prompts:
         raise ValueError(f"{where}: no prompt passed the filters ({collector.summary()})")
     if not collector.full:
         logger.warning("%s: only %d of %d prompts (%s)", where, len(collector.prompts), cfg.num_prompts,
                        collector.summary())
-    return collector.prompts
+    return PromptList(collector.prompts, collector.consumed)

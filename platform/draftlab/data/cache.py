@@ -1,0 +1,233 @@
+"""The self-distillation data cache: keys, layout, and reuse across data set sizes.
+
+Layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
+
+    root/<key>.lock                 serialises drivers working on the same key
+    root/<key>/dataset/             final DatasetDict ("train", "eval"), + meta.json
+    root/<key>/work/prompts.json    the prompts and shard size (a resumed run reuses them)
+    root/<key>/work/shards/shard-00003/   one generated shard (Dataset.save_to_disk)
+    root/prompts/<digest>.json      a source's prompt list, and where its stream stopped
+
+`<key>` hashes everything that changes the samples: the target's weights fingerprint, the
+prompt source (and the size/mtime of local source files), max_new_tokens, temperature,
+top_p, store_features, aux_layers, eval_fraction and the writers of prompts and responses
+(`hf` or `vllm`). Batch size, actor count, shard size and device are left out on purpose:
+they change speed, not results, except that batched left-padded
+generation can flip a near-tied greedy argmax through padding numerics (and GPU/CPU kernels
+differ slightly too). We accept that rather than invalidate caches on a resource change.
+
+Growing a data set costs only the new part: prompt sources are deterministic streams
+(`draftlab.data.sources`), so a larger `source.num_prompts` resumes the cached prompt list
+where it stopped, and the shards its first prompts fall in are copied from the cached data
+set of the smaller size (`reuse_donor_shards`) instead of being generated again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import datasets
+from tqdm import tqdm
+
+from draftlab.config import DataConfig, PromptSourceConfig
+from draftlab.data.sources import PromptList
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bump when the stored columns or their meaning change: old caches are then ignored."""
+
+def _source_stamp(source: PromptSourceConfig) -> list | None:
+    """Sizes and mtimes of a local source file/dir, so editing it invalidates the cache."""
+    if source.kind != "dataset" or not source.path:
+        return None
+    path = Path(source.path).expanduser()
+    if path.is_file():
+        return [[path.name, path.stat().st_size, path.stat().st_mtime_ns]]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return None  # a hub name
+
+
+def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
+    """Everything that determines the generated samples (see the module docstring)."""
+    return {
+        "format": FORMAT_VERSION,
+        "target": target_fingerprint,
+        "source": data.source.model_dump(mode="json"),
+        "source_files": _source_stamp(data.source),
+        "max_new_tokens": data.max_new_tokens,
+        "temperature": data.temperature,
+        "top_p": data.top_p,
+        "store_features": data.store_features,
+        "eval_fraction": data.eval_fraction,
+    } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {}) | (  # older keys stay valid
+        {"generator": data.generator, "prompt_generator": data.prompt_generator} if writers(data) != {"hf"} else {}
+    )
+
+
+def writers(data: DataConfig) -> set[str]:
+    """The generators `data` starts (magpie prompts, then responses)."""
+    return {data.generator} | ({data.prompt_generator} if data.source.kind == "magpie" else set())
+
+
+def _digest(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def dataset_key(data: DataConfig, target_fingerprint: str) -> str:
+    """Stable hex digest of `key_inputs`: the cache directory's name."""
+    return _digest(key_inputs(data, target_fingerprint))
+
+
+def cache_root(data: DataConfig) -> Path:
+    from draftlab.models.presets import cache_dir
+
+    return Path(data.cache_dir).expanduser() if data.cache_dir else cache_dir() / "data"
+
+
+def cache_path(data: DataConfig, target_fingerprint: str) -> Path:
+    """The key directory for these inputs (it may not exist yet)."""
+    return cache_root(data) / dataset_key(data, target_fingerprint)
+
+
+def shard_dir(work_dir: Path, index: int) -> Path:
+    return Path(work_dir) / "shards" / f"shard-{index:05d}"
+
+
+def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: dict | None = None) -> None:
+    """`save_to_disk` into a temp dir beside `dest`, add `extra` json files, then os.replace.
+
+    A reader sees the whole directory or none. If `dest` appeared meanwhile (a retried or
+    concurrent writer finished first) theirs is kept: both hold the same samples.
+    """
+    dest = Path(dest)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    ds.save_to_disk(str(tmp))
+    for name, obj in (extra or {}).items():
+        (tmp / name).write_text(json.dumps(obj, indent=2))
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.is_dir():
+            raise
+
+
+
+def write_json_atomic(dest: Path, obj) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(obj, ensure_ascii=False))
+    os.replace(tmp, dest)
+
+
+
+def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
+    """Where the prompt stream of this source is cached, apart from any generation setting
+    and from `source.num_prompts`: changing `max_new_tokens` or `temperature` reuses the
+    prompts (magpie ones are costly), and a larger `num_prompts` extends them."""
+    inputs = _prompt_inputs(data, target_fingerprint)
+    inputs["source"] = _without_count(inputs["source"])
+    return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
+
+
+def _prompt_inputs(data: DataConfig, target_fingerprint: str) -> dict:
+    keys = key_inputs(data, target_fingerprint)
+    inputs = {name: keys[name] for name in ("format", "target", "source", "source_files")}
+    magpie = data.source.kind == "magpie"
+    inputs["magpie_batch_size"] = data.batch_size if magpie else None
+    if magpie and data.prompt_generator != "hf":  # older keys stay valid
+        inputs["generator"] = data.prompt_generator
+    return inputs
+
+
+def _without_count(source: dict) -> dict:
+    return {name: value for name, value in source.items() if name != "num_prompts"}
+
+
+def stored_prompts(data: DataConfig, target_fingerprint: str) -> PromptList | None:
+    """The cached prompt list of this source (possibly shorter or longer than asked).
+
+    A list cached before lists could grow (keyed with its `num_prompts`, no record of
+    where its stream stopped) is used when it is exactly the size asked.
+    """
+    path = prompts_cache_file(data, target_fingerprint)
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return PromptList(saved["prompts"], saved["consumed"])
+    legacy = cache_root(data) / "prompts" / f"{_digest(_prompt_inputs(data, target_fingerprint))}.json"
+    if legacy.is_file():
+        prompts = json.loads(legacy.read_text())
+        if len(prompts) == data.source.num_prompts:
+            return PromptList(prompts, consumed=None)
+    return None
+
+
+def save_prompts(data: DataConfig, target_fingerprint: str, prompts: PromptList) -> None:
+    write_json_atomic(prompts_cache_file(data, target_fingerprint), dataclasses.asdict(prompts))
+
+
+# --- responses reused from a cached dataset of the same stream ----------------------------
+
+
+def reuse_donor_shards(
+    root: Path, todo: list[int], prompts: list[str], shard_size: int, data: DataConfig, target_fingerprint: str,
+    progress: bool = True,
+) -> tuple[list[int], dict | None]:
+    """Write the shards of `todo` that another cached dataset already answered; return the
+    shards left to generate and where the others came from (None when none did).
+
+    A donor is a finished dataset whose key inputs equal these apart from
+    `source.num_prompts`: its prompts are the first `num_prompts` of the same stream, so
+    every shard of ours that lies within them holds the same samples. Greedy responses
+    depend on the prompt alone; sampled ones on the shard and the prompt's place in it,
+    so then the donor must have been cut into shards of the same size.
+    """
+    donor = _best_donor(root, data, target_fingerprint, shard_size)
+    if donor is None:
+        return todo, None
+    path, meta = donor
+    covered = min(meta["num_prompts"], len(prompts))
+    reuse = [i for i in todo if min((i + 1) * shard_size, len(prompts)) <= covered]
+    if not reuse:
+        return todo, None
+    dsd = datasets.load_from_disk(str(path))
+    rows = datasets.concatenate_datasets(list(dsd.values()))
+    row_of = {prompt: i for i, prompt in enumerate(rows["prompt"])}
+    missing = sum(p not in row_of for p in prompts[:covered])
+    if missing > meta["num_dropped_empty"]:  # more than its empty responses: another stream after all
+        logger.warning("cached dataset %s lacks %d of the first %d prompts; not reused", path, missing, covered)
+        return todo, None
+    for i in tqdm(reuse, desc=f"shards from {meta['key']}", unit="shard", disable=not progress):
+        shard = [row_of[p] for p in prompts[i * shard_size : (i + 1) * shard_size] if p in row_of]
+        save_atomic(rows.select(shard), shard_dir(root / "work", i))
+    logger.info("reused %d of %d shards to generate from the cached dataset %s (%d prompts)",
+                len(reuse), len(todo), path, meta["num_prompts"])
+    return [i for i in todo if i not in set(reuse)], {"key": meta["key"], "shards": len(reuse)}
+
+
+def _best_donor(root: Path, data: DataConfig, target_fingerprint: str, shard_size: int) -> tuple[Path, dict] | None:
+    """The finished dataset of the same stream with the most prompts (see `reuse_donor_shards`)."""
+    inputs = key_inputs(data, target_fingerprint)
+    want = inputs | {"source": _without_count(inputs["source"])}
+    best = None
+    for meta_file in cache_root(data).glob("*/dataset/meta.json"):
+        if meta_file.parent.parent == root:
+            continue
+        meta = json.loads(meta_file.read_text())
+        if meta["inputs"] | {"source": _without_count(meta["inputs"]["source"])} != want:
+            continue
+        if data.temperature > 0 and meta.get("shard_size") != shard_size:
+            continue
+        if best is None or meta["num_prompts"] > best[1]["num_prompts"]:
+            best = (meta_file.parent, meta)
+    return best
