@@ -19,7 +19,13 @@ from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, Samplin
 from draftlab.data import cache, selfdistill
 from draftlab.data.cache import cache_path, dataset_key, key_inputs, prompts_cache_file, shard_dir
 from draftlab.data.selfdistill import generation_spec, load_or_generate
-from draftlab.data.sources import collect_prompts, dedup_key, junk_reason, load_prompts_from_source, reject_reason
+from draftlab.data.sources import (
+    collect_prompts,
+    dedup_key,
+    junk_reason,
+    load_prompts_from_source,
+    reject_reason,
+)
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import cpu_has_fast_bf16
 
@@ -393,6 +399,16 @@ def test_a_larger_data_set_reuses_the_smaller_ones_shards(ray_local, generated, 
     shrunk = load_or_generate(sized(6), TINY, progress=False)  # from the 12-prompt set: 1 full shard, 1 half
     assert sorted(r["prompt"] for r in samples(shrunk)) == sorted(PROMPTS[:6])
     assert samples(shrunk) == [r for r in samples(generated) if r["prompt"] in PROMPTS[:6]]
+
+
+def test_a_prompt_list_cached_before_lists_could_grow_serves_its_own_size(data_cfg, tmp_path):
+    data = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
+    old = cache.cache_root(data) / "prompts" / f"{cache._digest(cache._prompt_inputs(data, 'fp'))}.json"  # num_prompts in it
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps(PROMPTS))
+    assert cache.stored_prompts(data, "fp") == cache.PromptList(PROMPTS, consumed=None)
+    larger = data.model_copy(update={"source": data.source.model_copy(update={"num_prompts": 13})})
+    assert cache.stored_prompts(larger, "fp") is None  # its key differs, and it could not be extended anyway
 
 
 def test_sampled_responses_are_reused_only_from_shards_of_the_same_size(data_cfg, tmp_path):

@@ -122,13 +122,11 @@ def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: 
             raise
 
 
-
 def write_json_atomic(dest: Path, obj) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps(obj, ensure_ascii=False))
     os.replace(tmp, dest)
-
 
 
 def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
