@@ -195,7 +195,7 @@ def reuse_donor_shards(
         return todo, None
     path, meta = donor
     covered = min(meta["num_prompts"], len(prompts))
-    reuse = [i for i in todo if min((i + 1) * shard_size, len(prompts)) <= covered]
+    reuse = {i for i in todo if min((i + 1) * shard_size, len(prompts)) <= covered}
     if not reuse:
         return todo, None
     dsd = datasets.load_from_disk(str(path))
@@ -205,12 +205,12 @@ def reuse_donor_shards(
     if missing > meta["num_dropped_empty"]:  # more than its empty responses: another stream after all
         logger.warning("cached dataset %s lacks %d of the first %d prompts; not reused", path, missing, covered)
         return todo, None
-    for i in tqdm(reuse, desc=f"shards from {meta['key']}", unit="shard", disable=not progress):
+    for i in tqdm(sorted(reuse), desc=f"shards from {meta['key']}", unit="shard", disable=not progress):
         shard = [row_of[p] for p in prompts[i * shard_size : (i + 1) * shard_size] if p in row_of]
         save_atomic(rows.select(shard), shard_dir(root / "work", i))
     logger.info("reused %d of %d shards to generate from the cached dataset %s (%d prompts)",
                 len(reuse), len(todo), path, meta["num_prompts"])
-    return [i for i in todo if i not in set(reuse)], {"key": meta["key"], "shards": len(reuse)}
+    return [i for i in todo if i not in reuse], {"key": meta["key"], "shards": len(reuse)}
 
 
 def _best_donor(root: Path, data: DataConfig, target_fingerprint: str, shard_size: int) -> tuple[Path, dict] | None:

@@ -247,7 +247,7 @@ def generation_spec(target_spec: TargetSpec, use_gpu: bool) -> TargetSpec:
     return placed_spec(target_spec, use_gpu, "data.use_gpu", "generation actors")
 
 
-def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> tuple[list[str], int]:
+def _prompts_and_plan(work: Path, data: DataConfig, target, spec: TargetSpec, progress: bool) -> tuple[list[str], int]:
     """Prompts and shard size: read back from `work/prompts.json`, or made and recorded.
 
     A resumed run keeps the recorded shard size even if `data.shard_size` changed, so the
@@ -261,15 +261,18 @@ def _prompts_and_plan(work: Path, data: DataConfig, target, progress: bool) -> t
                 "resuming with the recorded shard_size=%d (config says %d)", saved["shard_size"], data.shard_size
             )
         return saved["prompts"], saved["shard_size"]
-    prompts = _cached_prompts(data, target, progress)
+    prompts = _cached_prompts(data, target, spec, progress)
     write_json_atomic(plan, {"shard_size": data.shard_size, "prompts": prompts})
     return prompts, data.shard_size
 
 
-def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:
+def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) -> list[str]:
     """The source's first `num_prompts` prompts: cut from the cached list, or collected (a
-    shorter cached list is extended where its stream stopped) and cached."""
+    shorter cached list is extended where its stream stopped) and cached. `target` (a
+    `TargetInfo`) measures them; magpie prompts load the target from `spec` to write them,
+    on the CPU of a CPU-only head node."""
     from draftlab.data.sources import collect_prompts
+    from draftlab.models.target import load_target
 
     cached = stored_prompts(data, target.fingerprint)
     if cached is not None and len(cached.prompts) >= data.source.num_prompts:
@@ -277,17 +280,13 @@ def _cached_prompts(data: DataConfig, target, progress: bool) -> list[str]:
         return cached.prompts[: data.source.num_prompts]
     start = cached if cached is not None and cached.consumed is not None else None
     writes = data.source.kind == "magpie"  # the target writes magpie prompts
+    if writes:
+        target = load_target(spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"}))
     with open_writer(data, target, data.prompt_generator) if writes else contextlib.nullcontext(None) as writer:
         got = collect_prompts(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
                               writer=writer, start=start)
     save_prompts(data, target.fingerprint, got)
     return got.prompts
-
-
-def _needs_prompt_writer(data: DataConfig, target_fingerprint: str) -> bool:
-    """Whether the target must write (more) magpie prompts for `data`."""
-    cached = stored_prompts(data, target_fingerprint)
-    return data.source.kind == "magpie" and (cached is None or len(cached.prompts) < data.source.num_prompts)
 
 
 def _run_shards(
@@ -455,12 +454,12 @@ def load_or_generate(
     float16 (`target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
     duplicate it on disk).
     """
-    from draftlab.models.target import describe_target, load_target
+    from draftlab.models.target import describe_target
 
     spec = generation_spec(target_spec, data.use_gpu)
     # The driver needs the fingerprint (cache key) and the tokenizer (prompt filters): both
     # come without the weights, read from the weight files' metadata. Only magpie prompts,
-    # which the target writes itself, load it here (on the CPU of a CPU-only head node).
+    # which the target writes itself, load it (`_cached_prompts`).
     target = describe_target(spec)
     fingerprint = target.fingerprint
     root = cache_path(data, fingerprint)
@@ -471,12 +470,8 @@ def load_or_generate(
             logger.info("reusing cached self-distillation data at %s", final)
         else:
             _check_generator(data)
-            if _needs_prompt_writer(data, fingerprint) and not (root / "work" / "prompts.json").is_file():
-                on_driver = spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"})
-                target = load_target(on_driver)
-            prompts, shard_size = _prompts_and_plan(root / "work", data, target, progress)
-            del target  # the actors load their own copies
-            if torch.cuda.is_available():
+            prompts, shard_size = _prompts_and_plan(root / "work", data, target, spec, progress)
+            if torch.cuda.is_available():  # the actors load their own copies
                 torch.cuda.empty_cache()
             _generate(root, prompts, shard_size, data, spec, fingerprint, progress)
             if not keep_shards:
