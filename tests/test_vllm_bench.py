@@ -62,10 +62,11 @@ def in_process():
 
 @pytest.fixture(scope="module")
 def report(target_dir, in_process, tmp_path_factory) -> dict:
-    """One bench over ar + every vLLM method (vllm_ar is added); 3 engines, one at a time."""
+    """One bench over ar + every vLLM method (vllm_ar is added); 4 engines, one at a time."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     cfg = BenchConfig(target=TargetSpec(name=target_dir, dtype="float32"), drafter="init:p-eagle", limit=3,
-                      max_new_tokens=NEW, k=K, methods=["ar", "vllm_ngram", "vllm_draftlab"], json_out=str(out),
+                      max_new_tokens=NEW, k=K, methods=["ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"],
+                      json_out=str(out),
                       vllm={"memory_fraction": IN_PROCESS_MEMORY})
     report = run_bench(cfg, progress=False)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -90,17 +91,23 @@ def test_vllm_greedy_equals_our_ar_in_float32(target, target_dir, in_process):
 @pytest.mark.timeout(180)
 def test_bench_report_has_the_vllm_fields(report):
     m = report["methods"]
-    assert list(m) == ["ar", "vllm_ar", "vllm_ngram", "vllm_draftlab"]  # vllm_ar joins any vllm_* method
-    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": ["vllm_ar", "vllm_ngram", "vllm_draftlab"],
-                                    "warmup_requests": 1}
+    vllm = ["vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"]
+    assert list(m) == ["ar", *vllm]  # vllm_ar joins any vllm_* method
+    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": vllm, "warmup_requests": 1}
     assert report["vllm_ar_matches_ar"] is True
     assert report["vllm_greedy_checked"] is True
     assert report["vllm_greedy_identical"] is True and report["vllm_greedy_mismatches"] == []
     v = report["vllm"]
-    assert set(v["startup_s"]) == {"vllm_ar", "vllm_ngram", "vllm_draftlab"} and v["dtype"] == "float32"
+    assert set(v["startup_s"]) == set(vllm) and v["dtype"] == "float32"
     assert v["speculative_config"]["vllm_ngram"]["num_speculative_tokens"] == K
     assert v["speculative_config"]["vllm_draftlab"] | {"model": None} == {
         "method": "eagle3", "model": None, "num_speculative_tokens": K, "parallel_drafting": True}
+    # lookups of up to grow_to tokens, the drafter's K tokens where the text has no match
+    grow_to = BenchConfig().ngram.grow_to
+    assert v["speculative_config"]["vllm_draftlab_ngram"] | {"model": None} == {
+        "method": "eagle3", "model": None, "num_speculative_tokens": grow_to, "parallel_drafting": True,
+        "draft_sample_method": "greedy"}
+    assert v["lookups"]["vllm_draftlab_ngram"]["draftlab_lookup"]["draft_tokens"] == K
     assert m["vllm_ar"]["speedup_vs_vllm_ar"] == 1.0 and m["vllm_ar"]["tau"] == 1.0
     for name, s in m.items():
         for key in ("tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_vllm_ar"):
@@ -109,14 +116,30 @@ def test_bench_report_has_the_vllm_fields(report):
             assert {"tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_vllm_ar"} <= set(cat)
     for name in ("vllm_ngram", "vllm_draftlab"):
         assert len(m[name]["per_position_acceptance"]) == K
+    assert len(m["vllm_draftlab_ngram"]["per_position_acceptance"]) == grow_to
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["vllm_ngram", "vllm_draftlab"])
+def test_lookups_merged_into_the_drafters_drafts(report):
+    """Where the text has a match, a copy of `ngram.tokens` (5) or more tokens replaces the
+    drafter's K (3): only merged copies make drafts longer than K (the drafter alone sums to
+    exactly K per draft), and greedy output stays vLLM's own (`vllm_greedy_identical` above
+    covers this engine too). The random tiny target rarely repeats itself, so this checks
+    what was drafted, not how much of it was accepted."""
+    m = report["methods"]
+    assert m["vllm_draftlab"]["draft_tokens"] == K * m["vllm_draftlab"]["drafts"]
+    hybrid = m["vllm_draftlab_ngram"]
+    assert hybrid["draft_tokens"] > K * hybrid["drafts"]
+    assert hybrid["tau"] >= m["vllm_draftlab"]["tau"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"])
 def test_spec_counters_are_consistent(report, name):
     s = report["methods"][name]
+    longest = report["vllm"]["speculative_config"][name]["num_speculative_tokens"]
     assert s["drafts"] > 0  # the random tiny model repeats itself, so ngram finds matches too
-    assert s["accepted_tokens"] <= s["draft_tokens"] <= K * s["drafts"]
+    assert s["accepted_tokens"] <= s["draft_tokens"] <= longest * s["drafts"]
     assert s["tau"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"]) and s["tau"] >= 1.0
     acc = s["per_position_acceptance"]
     assert all(0.0 <= a <= 1.0 for a in acc)
@@ -142,7 +165,7 @@ def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_pat
 
     def drafted(**kw) -> int:
         cfg = BenchConfig(target=TargetSpec(name=target.name), drafter=str(saved), methods=["ar", "vllm_draftlab"], **kw)
-        return _vllm_plan(target, drafter, cfg, [], tmp_path / "work")["vllm_draftlab"]["num_speculative_tokens"]
+        return _vllm_plan(target, drafter, cfg, [], tmp_path / "work")["vllm_draftlab"]["speculative_config"]["num_speculative_tokens"]
 
     assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
     assert drafted(k=3) == 3  # --k wins

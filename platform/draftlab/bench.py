@@ -36,7 +36,7 @@ from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
 from draftlab.vllm_offline import SpecCounters
 
-VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab")  # in the order their engines run
+VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram")  # in the order their engines run
 TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
 
 
@@ -137,7 +137,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Load the target (and drafter) named in `cfg`, run every method, return the report."""
     target = load_target(cfg.target)
     drafter = None
-    if cfg.drafter is not None and (cfg.trees or any(m.startswith("draftlab_") or m == "vllm_draftlab" for m in cfg.methods)):
+    if cfg.drafter is not None and (cfg.trees or any(m.startswith(("draftlab_", "vllm_draftlab")) for m in cfg.methods)):
         saved = _drafter_dir(cfg)
         if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
             cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
@@ -257,7 +257,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     ] if params.greedy else []
     report = {
         "target": target.name,
-        "drafter": cfg.drafter if spec_methods or "vllm_draftlab" in vllm_runs else None,
+        "drafter": cfg.drafter if spec_methods or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
         "device": describe_device(target.device),
         "prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
@@ -354,9 +354,10 @@ def _near_tie(target: Target, prompt: list[int], a: list[int], b: list[int], pos
 
 
 def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, encoded: list, work: Path) -> dict:
-    """{vllm method: its speculative_config (None = target only)} in run order, `vllm_ar`
-    first; {} without vLLM methods. Checks what would otherwise fail after minutes of
-    decoding: vLLM installed, prompts fit `vllm.max_model_len`, the drafter exports."""
+    """{vllm method: its engine's speculative settings ({} = target only)} in run order,
+    `vllm_ar` first; {} without vLLM methods. Checks what would otherwise fail after
+    minutes of decoding: vLLM installed, prompts fit `vllm.max_model_len`, the drafter
+    exports."""
     asked = [m for m in VLLM_METHODS if m in cfg.methods]
     if not asked:
         return {}
@@ -370,28 +371,35 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, enc
     if longest + cfg.max_new_tokens > cfg.vllm.max_model_len:
         raise ConfigError(f"vllm.max_model_len={cfg.vllm.max_model_len} is shorter than the longest prompt "
                           f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
-    plan: dict[str, dict | None] = {"vllm_ar": None}
+    plan: dict[str, dict] = {"vllm_ar": {}}
     if "vllm_ngram" in asked:
-        plan["vllm_ngram"] = {"method": "ngram", "num_speculative_tokens": cfg.k or 4,
-                              "prompt_lookup_max": cfg.vllm.ngram_max, "prompt_lookup_min": cfg.vllm.ngram_min}
-    if "vllm_draftlab" in asked:
+        plan["vllm_ngram"] = {"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": cfg.k or 4,
+            "prompt_lookup_max": cfg.vllm.ngram_max, "prompt_lookup_min": cfg.vllm.ngram_min}}
+    drafted = [m for m in asked if m.startswith("vllm_draftlab")]
+    if drafted:
         if drafter is None:
-            raise ValueError("method vllm_draftlab needs a drafter (--drafter PATH or init:p-eagle)")
+            raise ValueError(f"methods {drafted} need a drafter (--drafter PATH or init:p-eagle)")
         from draftlab.export import (
             VLLM_FAMILIES,
             export_vllm,
             served_draft_length,
             vllm_speculative_config,
         )
+        from draftlab.vllm_lookup import engine_kwargs
 
         if drafter.family not in VLLM_FAMILIES:
-            raise ValueError(f"method vllm_draftlab: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
+            raise ValueError(f"methods {drafted}: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
                              f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
         source = _drafter_dir(cfg)
         k = cfg.k or (served_draft_length(source) if source else drafter.cfg.k)  # as deep as its tree.json drafts
-        plan["vllm_draftlab"] = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
+        spec = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
+        if "vllm_draftlab" in asked:
+            plan["vllm_draftlab"] = {"speculative_config": spec}
+        if "vllm_draftlab_ngram" in asked:  # the drafter's k tokens, or a copy from the text
+            plan["vllm_draftlab_ngram"] = engine_kwargs(cfg.ngram, spec, k)
     return plan
 
 
@@ -407,11 +415,11 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
     runs: dict[str, list[tuple[str, Run]]] = {}
     startup: dict[str, float] = {}
     bar = tqdm(total=len(encoded) * len(plan), desc="bench vllm", disable=not progress, unit="run")
-    for method, spec in plan.items():
+    for method, engine in plan.items():
         bar.set_postfix_str(f"{method}: starting engine")
         with VllmEngine(model_dir, dtype=target.dtype, max_model_len=cfg.vllm.max_model_len,
                         memory_fraction=cfg.vllm.memory_fraction, enforce_eager=cfg.vllm.enforce_eager,
-                        speculative_config=spec, seed=cfg.seed) as llm:
+                        seed=cfg.seed, **engine) as llm:
             startup[method] = llm.startup_s
 
             def run(ids: list[int]) -> Run:
@@ -428,7 +436,9 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
                 bar.update()
     bar.close()
     info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
-            **cfg.vllm.model_dump(), "startup_s": startup, "speculative_config": plan}
+            **cfg.vllm.model_dump(), "startup_s": startup,
+            "speculative_config": {m: e.get("speculative_config") for m, e in plan.items()},
+            "lookups": {m: e["additional_config"] for m, e in plan.items() if "additional_config" in e}}
     return runs, info
 
 

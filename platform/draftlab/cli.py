@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
     b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}; "
                    "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the chain/tree); "
-                   "vLLM's vllm_ar, vllm_ngram, vllm_draftlab (not in the default: each vLLM engine starts in ~20 s to minutes)")
+                   "vLLM's vllm_ar, vllm_ngram, vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s to minutes)")
     b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
     b.add_argument("--ngram-min", type=int, default=NgramSpec().min_match, help="*_ngram: shortest suffix n-gram matched")
     b.add_argument("--ngram-max", type=int, default=NgramSpec().max_match, help="*_ngram: longest suffix n-gram matched")

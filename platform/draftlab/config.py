@@ -193,7 +193,7 @@ class BenchConfig(StrictModel):
     """Untimed prompts run per method before timing."""
     methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree",
                           "draftlab_chain_ngram", "draftlab_tree_ngram",
-                          "vllm_ar", "vllm_ngram", "vllm_draftlab"]] = Field(
+                          "vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"]] = Field(
         default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
     )
     """Which methods to run; `ar` is always run because every speedup is relative to it, and
@@ -201,7 +201,9 @@ class BenchConfig(StrictModel):
     and `vllm_greedy_identical`). `draftlab_chain_ngram` / `draftlab_tree_ngram` are the chain
     and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_*` need vLLM installed and are not in the default
     because each engine's start-up costs ~20 s to minutes; `vllm_draftlab` exports the
-    drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`."""
+    drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`;
+    `vllm_draftlab_ngram` runs it with `ngram`'s prompt lookups merged in (a copy from the
+    text where it has a match, else the drafter's draft: `draftlab.vllm_lookup`)."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """`prompt_lookup_num_tokens` for transformers' prompt-lookup decoding."""
     ngram: NgramSpec = Field(default_factory=NgramSpec)

@@ -154,6 +154,8 @@ class VllmEngine:
         memory_fraction: float = 0.2,
         enforce_eager: bool = True,
         speculative_config: dict | None = None,
+        scheduler_cls: str | None = None,
+        additional_config: dict | None = None,
         seed: int = 0,
         in_process: bool | None = None,
         max_num_seqs: int | None = None,
@@ -165,7 +167,8 @@ class VllmEngine:
             gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
             speculative_config=speculative_config, seed=seed,
             disable_log_stats=False,  # the Prometheus counters we read need stats on
-        ) | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {})
+        ) | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {}) | (
+            {"scheduler_cls": scheduler_cls, "additional_config": additional_config or {}} if scheduler_cls else {})
         self.env = dict(CPU_ENV_DEFAULTS)
         if reserved_cpus is not None:
             self.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
