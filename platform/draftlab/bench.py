@@ -419,7 +419,7 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
         bar.set_postfix_str(f"{method}: starting engine")
         with VllmEngine(model_dir, dtype=target.dtype, max_model_len=cfg.vllm.max_model_len,
                         memory_fraction=cfg.vllm.memory_fraction, enforce_eager=cfg.vllm.enforce_eager,
-                        seed=cfg.seed, **engine) as llm:
+                        memory_setting="vllm.memory_fraction (--vllm-memory-fraction)", seed=cfg.seed, **engine) as llm:
             startup[method] = llm.startup_s
 
             def run(ids: list[int]) -> Run:

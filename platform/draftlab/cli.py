@@ -39,6 +39,7 @@ from draftlab.config import (
     ProfileConfig,
     ServeArgs,
     TargetSpec,
+    VllmBenchSpec,
     apply_dotted,
     format_validation_error,
     load_yaml,
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="*_ngram: after a round that commits a whole copy, copy twice as many tokens next, up to this (<= --ngram-tokens: fixed)")
     b.add_argument("--ngram-store-tokens", type=int, default=NgramSpec().store_tokens,
                    help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only")
+    b.add_argument("--vllm-memory-fraction", type=float, default=VllmBenchSpec().memory_fraction,
+                   help="vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for weights + KV cache")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
@@ -374,6 +377,7 @@ def _bench(a: argparse.Namespace) -> None:
         k=a.k, depth=a.depth, tree=a.tree, trees=[t.strip() for t in a.trees.split(",") if t.strip()], temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         warmup=a.warmup, methods=[m.strip() for m in a.methods.split(",") if m.strip()], json_out=a.json_out,
         ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to),
+        vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction),
     )
     report = run_bench(cfg)
     print(render_table(report))

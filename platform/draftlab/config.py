@@ -128,9 +128,11 @@ class NgramSpec(StrictModel):
 class VllmBenchSpec(StrictModel):
     """The vLLM engines of `draftlab bench`'s `vllm_*` methods (one engine per method)."""
 
-    memory_fraction: float = Field(0.2, gt=0.0, le=0.95)
+    memory_fraction: float = Field(0.3, gt=0.0, le=0.95)
     """vLLM's `gpu_memory_utilization`; on the CPU backend the fraction of the NUMA node's RAM
-    reserved for weights + KV cache (start-up fails when less is free)."""
+    reserved for weights + KV cache (start-up fails when less is free). 0.2 of a 10 GiB node
+    left SmolLM2-135M in float32 (CPUs without bf16 support) with its drafter 0.04 GiB of KV
+    cache where 2048 tokens need 0.09 GiB, and vLLM refused to start."""
     enforce_eager: bool = True
     """Skip vLLM's torch.compile warm-up. Measured for SmolLM2-135M on 2 CPU cores: start-up
     ~15-40 s eager vs ~60-90 s compiled (vLLM 0.29's compile cache fails to reload with torch

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftlab.config import TargetSpec
+from draftlab.config import NgramSpec, TargetSpec
 from draftlab.decoding.tree import load_tree
 from draftlab.decoding.tree_search import static_equivalent
 from draftlab.models.drafters.network import DrafterNet, load_drafter
@@ -138,6 +138,14 @@ def served_draft_length(drafter_dir: str | Path) -> int:
     if search.is_file():  # a per-round tree is deep only in the rounds the drafter is sure of
         tree = static_equivalent(tree, json.loads(search.read_text())["acceptance"])
     return min(k, tree.depth)
+
+
+def served_lookups(drafter_dir: str | Path) -> NgramSpec | None:
+    """The prompt lookups our engine grafts onto the tree it serves a saved drafter with (its
+    `tree.json`, `+ngram`), None when that tree has none or there is no `tree.json`. vLLM
+    merges them into the drafter's drafts (`draftlab.vllm_lookup`)."""
+    saved = Path(drafter_dir) / "tree.json"
+    return load_tree(str(saved)).ngram if saved.is_file() else None
 
 
 def vllm_speculative_config(export_dir: str | Path, k: int) -> dict:

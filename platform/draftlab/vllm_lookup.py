@@ -33,12 +33,11 @@ SCHEDULER = "draftlab.vllm_lookup.LookupScheduler"
 
 def engine_kwargs(spec: NgramSpec, speculative_config: dict, draft_tokens: int) -> dict:
     """`vllm.LLM` / `AsyncEngineArgs` keyword arguments that merge prompt lookups of up to
-    `spec.grow_to` tokens with `speculative_config`'s drafter, of which the first
-    `draft_tokens` of each draft are kept. vLLM drafts `num_speculative_tokens` a step, so
-    that becomes the longest chain either source proposes."""
-    if spec.store_tokens:
-        spec = spec.model_copy(update={"store_tokens": 0})  # the drafter covers what the text lacks
-    longest = max(draft_tokens, spec.grow_to)
+    `spec.grow_to` tokens (`spec.tokens` when that is more: copies never shrink below it)
+    with `speculative_config`'s drafter, of which the first `draft_tokens` of each draft are
+    kept. vLLM drafts `num_speculative_tokens` a step, so that becomes the longest chain
+    either source proposes."""
+    longest = max(draft_tokens, spec.tokens, spec.grow_to)
     return {
         "speculative_config": speculative_config | {"num_speculative_tokens": longest, "draft_sample_method": "greedy"},
         "scheduler_cls": SCHEDULER,

@@ -143,6 +143,8 @@ class VllmEngine:
     `max_num_seqs` caps the requests decoded together (None = vLLM's default);
     `reserved_cpus` is how many cores the CPU backend keeps off its worker (None = vLLM's
     default, 1: right for one request at a time, 0 for batches, see `CPU_ENV_DEFAULTS`).
+    `memory_setting` names the caller's setting behind `memory_fraction` in the error a
+    failed start-up raises (most often: too little memory left for the KV cache).
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class VllmEngine:
         in_process: bool | None = None,
         max_num_seqs: int | None = None,
         reserved_cpus: int | None = None,
+        memory_setting: str = "memory_fraction",
     ):
         self.model_dir = str(Path(model_dir).expanduser())
         self.kwargs = dict(
@@ -174,6 +177,7 @@ class VllmEngine:
             self.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
         if in_process is not None:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        self.memory_setting = memory_setting
         self.llm = None
         self.startup_s = 0.0
 
@@ -192,6 +196,14 @@ class VllmEngine:
         t0 = time.perf_counter()
         try:
             self.llm = LLM(**self.kwargs)
+        except Exception as e:
+            self._restore()
+            fraction = self.kwargs["gpu_memory_utilization"]
+            raise RuntimeError(
+                f"vLLM did not start on {self.model_dir}: {e}\nIf its log above says the KV cache does not fit "
+                f"('KV cache is needed' / 'No available memory'), raise {self.memory_setting} (now {fraction}: "
+                "the share of the node's RAM for weights + KV cache; a float32 target or a drafter needs more) "
+                "or lower max_model_len.") from e
         except BaseException:
             self._restore()
             raise

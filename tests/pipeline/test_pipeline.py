@@ -15,9 +15,9 @@ import yaml
 from mlflow import MlflowClient
 
 from draftlab.cli import main
-from draftlab.config import ConfigError
+from draftlab.config import ConfigError, TargetSpec
 from draftlab.pipeline.config import load_pipeline
-from draftlab.pipeline.runner import format_summary, run_pipeline
+from draftlab.pipeline.runner import float32_note, format_summary, run_pipeline
 from mlflow_server import MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -154,3 +154,13 @@ def test_report_cli_rebuilds_the_report_from_the_pipeline_dir(first, mlflow_uri,
     assert s["champion"]["model"] in html and "hf_prompt_lookup" in html
     assert "| category |" in (tmp_path / "report.md").read_text().lower() or "category" in (tmp_path / "report.md").read_text()
     assert main(["report", str(tmp_path / "nothing-here")]) == 2
+
+
+@pytest.mark.parametrize("fast_bf16,dtype,noted", [(False, "auto", True), (True, "auto", False), (False, "float32", False)])
+def test_a_target_that_runs_in_float32_on_this_cpu_is_announced(monkeypatch, fast_bf16, dtype, noted):
+    # the CPU's bf16 support is the one input a test machine cannot choose: patched
+    monkeypatch.setattr("draftlab.models.target.cpu_has_fast_bf16", lambda: fast_bf16)
+    note = float32_note(TargetSpec(name="smollm2-135m", device="cpu", dtype=dtype))
+    assert (note is not None) == noted
+    if noted:
+        assert "smollm2-135m runs in float32" in note

@@ -8,10 +8,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from draftlab.config import ConfigError
+from draftlab.config import ConfigError, NgramSpec
 from draftlab.export import vllm_target_dir
 from draftlab.models.drafters.network import init_drafter
 from draftlab.serve.vllm_app import VllmServeArgs, resolve_engine, vllm_drafter
+from draftlab.vllm_lookup import LOOKUP_KEY, SCHEDULER, engine_kwargs
 
 TARGET = "tiny-llama-vllm"
 
@@ -37,20 +38,20 @@ def test_the_champion_is_exported_for_vllm(target, tmp_path):
     champ = promote(run.info.run_id, tracking_uri=uri)
 
     args = VllmServeArgs(target={"name": TARGET}, tracking_uri=uri, export_dir=str(tmp_path / "export"))
-    model, spec, source = resolve_engine(args)  # models:/draftlab-tiny-llama-vllm-drafter@champion
+    model, engine, source = resolve_engine(args)  # models:/draftlab-tiny-llama-vllm-drafter@champion
     assert model == vllm_target_dir(TARGET) and source["version"] == champ["version"]
-    assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 3,
-                    "parallel_drafting": True}  # K = the drafter's k
+    assert engine == {"speculative_config": {"method": "eagle3", "model": str(tmp_path / "export"),
+                                             "num_speculative_tokens": 3, "parallel_drafting": True}}  # K = its k
     assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
 
     # an export (or any EAGLE-3 checkpoint) is served as it is; it has no draftlab k, so K is given
     assert vllm_drafter(str(tmp_path / "export"), args.target, args.model_copy(update={"num_speculative_tokens": 2})) \
-        == (str(tmp_path / "export"), 2)
+        == (str(tmp_path / "export"), 2, None)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         vllm_drafter(str(tmp_path / "export"), args.target, args)
     # speculation off: the target alone, no registry lookup
     assert resolve_engine(VllmServeArgs(target={"name": TARGET}, speculation="off", tracking_uri="sqlite:///nowhere")) \
-        == (vllm_target_dir(TARGET), None, {"speculation": "off"})
+        == (vllm_target_dir(TARGET), {}, {"speculation": "off"})
 
 
 def test_vllm_drafts_as_deep_as_the_tree_the_drafter_is_served_with(target, tmp_path):
@@ -58,7 +59,7 @@ def test_vllm_drafts_as_deep_as_the_tree_the_drafter_is_served_with(target, tmp_
     args = VllmServeArgs(target={"name": TARGET}, export_dir=str(tmp_path / "export"))
     assert vllm_drafter(str(saved), args.target, args)[1] == 4  # no tree.json: its K
     (saved / "tree.json").write_text(json.dumps({"paths": [[0], [1], [0, 0]], "ngram": {"tokens": 5}}))
-    assert vllm_drafter(str(saved), args.target, args)[1] == 2  # the tree's depth (lookups are ours only)
+    assert vllm_drafter(str(saved), args.target, args)[1] == 2  # the tree's depth
     (saved / "tree.json").write_text(json.dumps([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]))
     assert vllm_drafter(str(saved), args.target, args)[1] == 4  # never deeper than K
     assert vllm_drafter(str(saved), args.target, args.model_copy(update={"num_speculative_tokens": 3}))[1] == 3
@@ -67,6 +68,8 @@ def test_vllm_drafts_as_deep_as_the_tree_the_drafter_is_served_with(target, tmp_
 @pytest.mark.parametrize("args,msg", [
     ({"speculation": "auto"}, "speculation"),
     ({"engine_kwargs": {"speculative_config": {}}}, "through `speculation`"),
+    ({"engine_kwargs": {"scheduler_cls": "x.Y"}}, "through `prompt_lookup`"),
+    ({"prompt_lookup": "yes"}, "prompt_lookup"),
     ({"target": {"name": "x", "device": "cuda"}}, "contradicts accelerator 'cpu'"),
     ({"tensor_parallel_size": 2}, "need accelerator: gpu"),
     ({"accelerator": "gpu", "accelerator_type": "H1OO"}, "not one of Ray's: A100"),
@@ -74,3 +77,27 @@ def test_vllm_drafts_as_deep_as_the_tree_the_drafter_is_served_with(target, tmp_
 def test_bad_args_name_the_field(args, msg):
     with pytest.raises(ValidationError, match=msg):
         VllmServeArgs.model_validate(args)
+
+
+def test_prompt_lookups_are_merged_where_the_served_tree_grafts_them(target, tmp_path):
+    saved = init_drafter("p-eagle", target, k=4).save(tmp_path / "d")
+    (saved / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0]], "ngram": {"tokens": 3, "grow_to": 6}}))
+    args = VllmServeArgs(target={"name": TARGET}, drafter=str(saved), export_dir=str(tmp_path / "export"))
+    lookups = NgramSpec(tokens=3, grow_to=6)
+    assert vllm_drafter(str(saved), args.target, args)[1:] == (2, lookups)  # the tree's depth and its lookups
+    _, engine, _ = resolve_engine(args)
+    assert engine["scheduler_cls"] == SCHEDULER and engine["additional_config"][LOOKUP_KEY] == {
+        "spec": lookups.model_dump(), "draft_tokens": 2}
+    # vLLM drafts as many tokens as the longest copy; the drafter's first 2 are kept where nothing matches
+    assert engine["speculative_config"]["num_speculative_tokens"] == 6
+    assert engine["speculative_config"]["draft_sample_method"] == "greedy"  # lossless for copied drafts
+    # copies never shrink below `tokens`: a grow_to under it still needs `tokens` slots
+    fixed = engine_kwargs(NgramSpec(tokens=5, grow_to=4), engine["speculative_config"], 2)
+    assert fixed["speculative_config"]["num_speculative_tokens"] == 5
+    off = resolve_engine(args.model_copy(update={"prompt_lookup": "off"}))[1]
+    assert set(off) == {"speculative_config"} and off["speculative_config"]["num_speculative_tokens"] == 2
+
+    (saved / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0]]}))  # a tree without lookups
+    assert vllm_drafter(str(saved), args.target, args)[2] is None
+    on = args.model_copy(update={"prompt_lookup": "on"})
+    assert vllm_drafter(str(saved), args.target, on)[2] == NgramSpec()  # the defaults

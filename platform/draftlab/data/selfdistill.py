@@ -92,7 +92,8 @@ def open_writer(data: DataConfig, target, generator: str) -> contextlib.Abstract
     # max_prompt_tokens of text, the chat template adds its header and system turn.
     length = data.source.max_prompt_tokens + data.max_new_tokens + 256
     return VllmEngine(vllm_target_dir(target), dtype=target.dtype, max_model_len=length,
-                      memory_fraction=data.vllm_memory_fraction, max_num_seqs=data.batch_size, reserved_cpus=0)
+                      memory_fraction=data.vllm_memory_fraction, max_num_seqs=data.batch_size, reserved_cpus=0,
+                      memory_setting="data.vllm_memory_fraction")
 
 
 @torch.inference_mode()

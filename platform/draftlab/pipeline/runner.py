@@ -31,6 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from draftlab.config import TargetSpec
 from draftlab.pipeline import stages
 from draftlab.pipeline.config import Pipeline, load_pipeline
 from draftlab.storage import exists
@@ -199,6 +202,21 @@ def connect_cluster(progress: bool = True) -> dict:
             "started_here": started}
 
 
+def float32_note(target: TargetSpec) -> str | None:
+    """A warning for CPUs where `dtype: auto` runs the target in float32 (no AMX or AVX512-BF16):
+    the embedded budgets were measured with a bf16 target, and every stage that generates or
+    benches takes several times longer there; None elsewhere."""
+    from draftlab.models.target import resolve_device, resolve_dtype
+
+    device = resolve_device(target.device)
+    if target.dtype != "auto" or device.type != "cpu" or resolve_dtype("auto", device) != torch.float32:
+        return None
+    return (f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the stages that "
+            "generate data and bench take several times longer than the budgets here were measured at with a "
+            "bf16 target (README pipeline: ~20 min with bf16, 92 min on a 2-core AVX2 EPYC; README "
+            "\"CPUs without fast bf16\")")
+
+
 def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
     """Run (or continue) the pipeline of `path`; returns the summary."""
     from draftlab.submit import check_hub_access
@@ -206,6 +224,9 @@ def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool
 
     p = load_pipeline(path, overrides)
     check_hub_access(p.distill.target, p.distill.data.source)
+    note = float32_note(p.distill.target)
+    if note and progress:
+        print(note, flush=True)
     run_dir = Path(p.cfg.state_dir).expanduser().resolve() / p.cfg.name
     uri = resolve_tracking_uri(p.distill.tracking.tracking_uri)
     state_file = run_dir / "state.json"

@@ -14,6 +14,9 @@ on the target's HF directory or hub id (`draftlab.export.vllm_target_dir`) with
     speculative_config = {"method": "eagle3", "model": EXPORT_DIR,
                           "num_speculative_tokens": K, "parallel_drafting": true}   (P-EAGLE)
 
+and, where the drafter's tree grafts prompt lookups (`prompt_lookup`), our scheduler
+(`draftlab.vllm_lookup`), which drafts a copy from the request's text where it has a match.
+
 Resolving on the replica (not in the builder) means every node downloads and exports for
 itself: no shared disk between the head that builds the app and the GPU nodes that serve it.
 
@@ -37,7 +40,7 @@ from pydantic import Field, field_validator, model_validator
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.serve import Application
 
-from draftlab.config import ConfigError, ServingCommon, TargetSpec
+from draftlab.config import ConfigError, NgramSpec, ServingCommon, TargetSpec
 
 log = logging.getLogger(__name__)
 KEY_FIELDS = {"api_keys", "api_keys_env", "api_keys_file"}  # what the ingress replica needs of the args
@@ -45,6 +48,7 @@ OWNED_ENGINE_KWARGS = {  # engine_kwargs keys this module sets (from its own fie
     "model": "target", "served_model_name": "served_model_name", "speculative_config": "speculation",
     "dtype": "target.dtype", "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
     "enforce_eager": "enforce_eager", "tensor_parallel_size": "tensor_parallel_size",
+    "scheduler_cls": "prompt_lookup",
 }
 
 
@@ -62,6 +66,13 @@ class VllmServeArgs(ServingCommon):
     speculation: Literal["on", "off"] = "on"
     """`on`: P-EAGLE drafting (`parallel_drafting`) every step; `off`: target only (no drafter,
     no MLflow lookup). vLLM has no per-request or load-dependent switch (`--engine draftlab` has)."""
+    prompt_lookup: Literal["tree", "on", "off"] = "tree"
+    """Prompt lookups merged into the drafter's drafts (`draftlab.vllm_lookup`: where the
+    request's text has an n-gram match, the tokens that followed it are drafted instead):
+    `tree` = when the tree our engine serves the drafter with grafts them (`+ngram` in its
+    `tree.json`), with that tree's settings; `on` = always (the tree's settings, else the
+    defaults); `off` = the drafter alone. vLLM then drafts up to the lookups' `grow_to` tokens
+    a step."""
     num_speculative_tokens: int | None = Field(None, ge=1, le=16)
     """Draft tokens per step; None = the depth of the drafter's `tree.json` (the tree our engine
     serves it with, picked from measured acceptance and costs), else its `k`."""
@@ -135,11 +146,13 @@ def _vllm_layout(path: Path) -> bool:
     return cfg.is_file() and "architectures" in json.loads(cfg.read_text())
 
 
-def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int]:
-    """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step) for a drafter: a saved
-    `p-eagle` drafter (exported), an export or other EAGLE-3 checkpoint (as it is), or
-    `init:<family>`."""
-    from draftlab.export import export_vllm, served_draft_length
+def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int, NgramSpec | None]:
+    """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step, prompt lookups to merge
+    in or None) for a drafter: a saved `p-eagle` drafter (exported), an export or other EAGLE-3
+    checkpoint (as it is), or `init:<family>`."""
+    from draftlab.export import export_vllm, served_draft_length, served_lookups
+
+    lookups = {"tree": None, "on": NgramSpec(), "off": None}[args.prompt_lookup]  # without a tree.json
 
     path = Path(drafter)
     if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
@@ -148,26 +161,32 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
 
         k, loaded = args.num_speculative_tokens or 4, load_target(target)
         saved = init_drafter(drafter.removeprefix("init:"), loaded, k=k).save(tempfile.mkdtemp(prefix="draftlab-init-"))
-        return str(export_vllm(saved, _export_dir(args), loaded)), k
+        return str(export_vllm(saved, _export_dir(args), loaded)), k, lookups
     if _vllm_layout(path):
         if args.num_speculative_tokens is None:
             raise ConfigError(f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens")
-        return str(path), args.num_speculative_tokens
+        return str(path), args.num_speculative_tokens, lookups
     k = args.num_speculative_tokens or served_draft_length(path)
-    return str(export_vllm(path, _export_dir(args))), k  # loads the drafter's target: its head rows are copied
+    if args.prompt_lookup != "off":
+        lookups = served_lookups(path) or lookups
+    return str(export_vllm(path, _export_dir(args))), k, lookups  # loads the drafter's target: its head rows are copied
 
 
-def resolve_engine(args: VllmServeArgs) -> tuple[str, dict | None, dict]:
-    """(target for vLLM, speculative_config or None, where the drafter came from)."""
+def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
+    """(target for vLLM, the engine kwargs of its speculative decoding ({} = target only),
+    where the drafter came from)."""
     from draftlab.export import vllm_speculative_config, vllm_target_dir
 
     if args.speculation == "off":
-        return vllm_target_dir(args.target), None, {"speculation": "off"}
+        return vllm_target_dir(args.target), {}, {"speculation": "off"}
     from draftlab.serve.pair import resolve_pair
+    from draftlab.vllm_lookup import engine_kwargs
 
     pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
-    model, k = vllm_drafter(pair.drafter, pair.target, args)
-    return vllm_target_dir(pair.target), vllm_speculative_config(model, k), pair.source
+    model, k, lookups = vllm_drafter(pair.drafter, pair.target, args)
+    spec = vllm_speculative_config(model, k)
+    engine = engine_kwargs(lookups, spec, k) if lookups else {"speculative_config": spec}
+    return vllm_target_dir(pair.target), engine, pair.source
 
 
 class ChampionCallback(CallbackBase):
@@ -178,12 +197,15 @@ class ChampionCallback(CallbackBase):
         import asyncio
 
         args = VllmServeArgs.model_validate(self.kwargs["args"])
-        model, spec, source = await asyncio.to_thread(resolve_engine, args)  # MLflow download, export
-        log.info("draftlab: vLLM target %s, speculative_config %s (from %s)", model, spec, source)
+        model, engine, source = await asyncio.to_thread(resolve_engine, args)  # MLflow download, export
+        log.info("draftlab: vLLM target %s, engine %s (from %s)", model, engine, source)
         self.llm_config.model_loading_config.model_source = model
         self.llm_config.get_engine_config().hf_model_id = model  # the engine config is cached: set both
-        if spec is not None:
-            self.llm_config.update_engine_kwargs(speculative_config=spec)
+        if "additional_config" in engine:  # the user's (engine_kwargs) with the lookups' settings
+            engine["additional_config"] = self.llm_config.engine_kwargs.get("additional_config", {}) | engine[
+                "additional_config"]
+        if engine:
+            self.llm_config.update_engine_kwargs(**engine)
         if Path(model).is_dir():  # nothing for Ray to download on the node
             self.ctx.run_init_node = False
 
