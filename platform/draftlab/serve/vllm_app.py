@@ -146,13 +146,17 @@ def _vllm_layout(path: Path) -> bool:
     return cfg.is_file() and "architectures" in json.loads(cfg.read_text())
 
 
+def _lookups(args: VllmServeArgs, served: NgramSpec | None) -> NgramSpec | None:
+    """The prompt lookups vLLM merges in: `prompt_lookup` applied to those of the drafter's
+    served tree (`served`; None without a `tree.json` or without `+ngram`)."""
+    return {"tree": served, "on": served or NgramSpec(), "off": None}[args.prompt_lookup]
+
+
 def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int, NgramSpec | None]:
     """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step, prompt lookups to merge
     in or None) for a drafter: a saved `p-eagle` drafter (exported), an export or other EAGLE-3
     checkpoint (as it is), or `init:<family>`."""
     from draftlab.export import export_vllm, served_draft_length, served_lookups
-
-    lookups = {"tree": None, "on": NgramSpec(), "off": None}[args.prompt_lookup]  # without a tree.json
 
     path = Path(drafter)
     if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
@@ -161,14 +165,12 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
 
         k, loaded = args.num_speculative_tokens or 4, load_target(target)
         saved = init_drafter(drafter.removeprefix("init:"), loaded, k=k).save(tempfile.mkdtemp(prefix="draftlab-init-"))
-        return str(export_vllm(saved, _export_dir(args), loaded)), k, lookups
+        return str(export_vllm(saved, _export_dir(args), loaded)), k, _lookups(args, None)
     if _vllm_layout(path):
         if args.num_speculative_tokens is None:
             raise ConfigError(f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens")
-        return str(path), args.num_speculative_tokens, lookups
-    k = args.num_speculative_tokens or served_draft_length(path)
-    if args.prompt_lookup != "off":
-        lookups = served_lookups(path) or lookups
+        return str(path), args.num_speculative_tokens, _lookups(args, None)
+    k, lookups = args.num_speculative_tokens or served_draft_length(path), _lookups(args, served_lookups(path))
     return str(export_vllm(path, _export_dir(args))), k, lookups  # loads the drafter's target: its head rows are copied
 
 
