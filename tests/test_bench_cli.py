@@ -55,7 +55,7 @@ def test_head_coverage_is_the_share_of_the_targets_tokens_a_trimmed_head_can_sco
     import torch
 
     from draftlab.bench import Run, head_coverage
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     trimmed = init_drafter("parallel", tiny, k=2, depth=1, vocab_size=4)
     trimmed.set_vocab(torch.tensor([3, 5, 7, 9]))
@@ -86,7 +86,7 @@ def test_bench_sampled_has_no_greedy_match_rate(tmp_path):
 
 
 def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     init_drafter("autoregressive", tiny, k=3, depth=1).save(tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"
@@ -108,7 +108,7 @@ def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):
 
 def test_bench_defaults_to_the_drafters_k_and_tree(tmp_path, tiny):
     from draftlab.decoding.tree import Tree
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     (saved / "tree.json").write_text(Tree.from_paths([[0], [1], [0, 0]]).to_json())
@@ -124,7 +124,7 @@ def test_bench_defaults_to_the_drafters_k_and_tree(tmp_path, tiny):
 def test_bench_searched_tree_comes_from_the_drafters_measured_acceptance(tmp_path, tiny):
     from draftlab.decoding.tree import load_tree
     from draftlab.decoding.tree_search import best_tree
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     acc = [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]
@@ -134,12 +134,12 @@ def test_bench_searched_tree_comes_from_the_drafters_measured_acceptance(tmp_pat
                "--tree", "searched-4", "--methods", "draftlab_tree", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert report["tree"] == str(saved / "tree-searched-4.json") and report["tree_nodes"] == 4
-    assert load_tree(report["tree"]).paths == best_tree(acc, 4).paths
+    assert report["tree"] == "searched-4" and report["tree_nodes"] == 4  # named as serving names it
+    assert load_tree(str(saved / "tree-searched-4.json")).paths == best_tree(acc, 4).paths  # built beside the drafter
 
 
 def test_bench_compares_more_trees_side_by_side(tmp_path, tiny):
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     (saved / "tree-search.json").write_text(json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]}))
@@ -157,7 +157,7 @@ def test_bench_compares_more_trees_side_by_side(tmp_path, tiny):
 
 
 def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, capsys):
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--tree", "searched-4"])
@@ -272,7 +272,7 @@ def test_bench_grafts_drafts_from_the_drafters_lookup_store(tmp_path, tiny):
     from draftlab.data.prompts import load_prompts
     from draftlab.decoding.engine import autoregressive_generate
     from draftlab.decoding.ngram import STORE_FILE, NgramStore
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     prompt = load_prompts(None, 1)[0]

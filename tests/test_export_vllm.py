@@ -20,10 +20,9 @@ from draftlab.config import SamplingParams, TargetSpec, TrainConfig
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import Tree
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import DistillModule, loss_and_backward
-from draftlab.distill.worker import teacher_states
+from draftlab.distill.objective import DistillModule, loss_and_backward, teacher_states
 from draftlab.export import export_vllm, vllm_speculative_config, vllm_target_dir
-from draftlab.models.drafters import init_drafter, load_drafter
+from draftlab.models.drafters.build import init_drafter, load_drafter
 from draftlab.models.target import load_target
 
 pytest.importorskip("vllm")

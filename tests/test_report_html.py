@@ -21,7 +21,7 @@ IMG = "data:image/png;base64,"
 @pytest.fixture(scope="module")
 def bench(tiny):
     from draftlab.bench import bench_loaded
-    from draftlab.models.drafters.network import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     cfg = BenchConfig(target={"name": "tiny-llama"}, limit=2, max_new_tokens=8,
                       methods=["ar", "hf_generate", "hf_prompt_lookup", "draftlab_tree"])
@@ -237,8 +237,8 @@ def test_training_curve_of_a_drafter_dir(tmp_path, tiny):
     """`training.json` (written by every distillation, costs measured by the real profiler)
     becomes the report's training-curve table and plot."""
     from draftlab.config import DistillConfig
-    from draftlab.distill.worker import training_curve
-    from draftlab.models.drafters import init_drafter
+    from draftlab.distill.finalize import training_curve
+    from draftlab.models.drafters.build import init_drafter
 
     cfg = DistillConfig.model_validate({"name": "t", "target": {"name": "tiny-llama"}, "drafter": {"k": 3},
                                         "bench": {"search_context": 16}})

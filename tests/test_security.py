@@ -47,7 +47,7 @@ def test_a_pickled_target_checkpoint_is_refused(tmp_path, tiny):
 
 
 def test_a_drafter_dir_without_safetensors_is_refused(tmp_path, tiny):
-    from draftlab.models.drafters.network import init_drafter, load_drafter
+    from draftlab.models.drafters.build import init_drafter, load_drafter
 
     drafter = init_drafter("parallel", tiny, k=2, depth=1)
     drafter.save(tmp_path / "d")

@@ -8,7 +8,7 @@ from draftlab.data.prompts import load_prompts
 from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import Tree, load_tree
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.models.target import load_target
 from oracle import OracleDrafter
 

@@ -157,7 +157,7 @@ def test_first_difference():
 
 def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_path):
     from draftlab.bench import _vllm_plan
-    from draftlab.models.drafters.network import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     drafter = init_drafter("p-eagle", target, k=4)
     saved = drafter.save(tmp_path / "d")

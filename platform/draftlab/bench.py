@@ -28,16 +28,18 @@ from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramStore
-from draftlab.decoding.tree import NGRAM, PER_ROUND, Tree, load_tree, split_ngram, split_per_round
-from draftlab.decoding.tree_search import searched_budget
+from draftlab.decoding.tree import Tree
+from draftlab.decoding.tree_files import resolve_tree
 from draftlab.hardware import describe_device, sync
-from draftlab.models.drafters.network import DrafterNet, resolve_drafter
+from draftlab.models.drafters.build import resolve_drafter
+from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
 from draftlab.vllm_offline import SpecCounters
 
 VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram")  # in the order their engines run
 TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
+BENCH_TREE = "default"  # the tree method's tree without `tree` nor a saved `tree.json`: not a chain
 
 
 @dataclass
@@ -139,31 +141,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     drafter = None
     if cfg.drafter is not None and (cfg.trees or any(m.startswith(("draftlab_", "vllm_draftlab")) for m in cfg.methods)):
         saved = _drafter_dir(cfg)
-        if cfg.tree is None and saved is not None and (saved / "tree.json").is_file():
-            cfg = cfg.model_copy(update={"tree": str(saved / "tree.json")})
-        cfg = cfg.model_copy(update={"tree": _searched_file(cfg.tree, saved)})
-        named = {spec: load_tree(_searched_file(spec, saved)) for spec in cfg.trees}
         k = cfg.k or 4
-        depth_needed = load_tree(cfg.tree or "default").depth if set(TREE_METHODS) & set(cfg.methods) else k
-        depth_needed = max([depth_needed, *(t.depth for t in named.values())])
-        drafter = resolve_drafter(cfg.drafter, target, k=max(k, depth_needed), depth=cfg.depth, seed=cfg.seed)
+        if saved is None:  # an `init:` drafter is built as deep as the trees it verifies
+            specs = [cfg.tree] if set(TREE_METHODS) & set(cfg.methods) else []
+            k = max([k, *(resolve_tree(s, None, k, BENCH_TREE, cut=False).depth for s in [*specs, *cfg.trees])])
+        drafter = resolve_drafter(cfg.drafter, target, k=k, depth=cfg.depth, seed=cfg.seed)
+        named = {spec: resolve_tree(spec, saved, drafter.cfg.k, BENCH_TREE) for spec in cfg.trees}
         return bench_loaded(target, drafter, cfg, progress, trees=named)
     return bench_loaded(target, drafter, cfg, progress)
-
-
-def _searched_file(spec: str | None, saved: Path | None) -> str | None:
-    """A `searched-<n>` spec (any `@m` / `+ngram` suffix kept) as the saved drafter's own best
-    n-node tree file (from its measured rank acceptance); other specs as they are."""
-    base, ngram = split_ngram(spec or "")
-    base, per_round = split_per_round(base)
-    budget = searched_budget(base)
-    if not budget:
-        return spec
-    if saved is None:
-        raise ValueError(f"tree {spec!r} needs a saved drafter directory (its tree-search.json)")
-    from draftlab.distill.tree_select import searched_tree_file
-
-    return str(searched_tree_file(saved, budget)) + (f"{PER_ROUND}{per_round}" if per_round is not None else "") + (NGRAM if ngram else "")
 
 
 def _drafter_dir(cfg: BenchConfig) -> Path | None:
@@ -206,7 +191,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     if spec_methods:
         k = cfg.k or drafter.cfg.k
         if set(TREE_METHODS) & set(methods):
-            tree = load_tree(cfg.tree or "default")
+            tree = resolve_tree(cfg.tree, _drafter_dir(cfg), drafter.cfg.k, BENCH_TREE)
         store = NgramStore.beside(_drafter_dir(cfg))  # lookups where the text has no match
 
         def decoder(verified: Tree) -> Callable[[list[int]], Run]:

@@ -14,6 +14,9 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from draftlab.models.drafters.registry import available_drafters
+from draftlab.models.drafters.registry import family as drafter_family
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -181,7 +184,9 @@ class BenchConfig(StrictModel):
     drafter's best n-node tree under its `tree-search.json` acceptance), or a JSON file of
     rank paths; None = the drafter directory's `tree.json` (written by `draftlab distill`),
     else `default`. `@n` after it verifies n of its nodes per round (the drafter's likeliest),
-    `+ngram` grafts prompt lookups."""
+    `+ngram` grafts prompt lookups. Resolved as serving resolves it
+    (`decoding/tree_files.py`): cut to a saved drafter's K; an `init:` drafter is built deep
+    enough for it."""
     trees: list[str] = Field(default_factory=list)
     """More trees (the same forms as `tree`), benched side by side with the methods, one
     `draftlab_tree:<spec>` method each."""
@@ -450,8 +455,6 @@ class DrafterSpec(StrictModel):
     @field_validator("family")
     @classmethod
     def _known_family(cls, family: str) -> str:
-        from draftlab.models.drafters.registry import available_drafters
-
         if family not in available_drafters():
             raise ValueError(f"unknown drafter family {family!r} (allowed: {', '.join(available_drafters())})")
         return family
@@ -631,9 +634,7 @@ class DistillConfig(StrictModel):
 
     @model_validator(mode="after")
     def _cache_what_the_drafter_fuses(self) -> DistillConfig:
-        from draftlab.models.drafters.registry import drafter_class
-
-        if drafter_class(self.drafter.family).uses_aux_features and self.data.aux_layers is None:
+        if drafter_family(self.drafter.family).uses_aux_features and self.data.aux_layers is None:
             self.data.aux_layers = self.drafter.aux_layers or "eagle3"
         return self
 

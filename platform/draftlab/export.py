@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 from draftlab.config import NgramSpec, TargetSpec
 from draftlab.decoding.tree import load_tree
 from draftlab.decoding.tree_search import static_equivalent
-from draftlab.models.drafters.network import DrafterNet, load_drafter
+from draftlab.models.drafters.build import load_drafter
+from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
 

@@ -22,7 +22,8 @@ from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.engine import verify_plan
 from draftlab.decoding.tree import Tree
 from draftlab.hardware import describe_device, sync
-from draftlab.models.drafters.network import DrafterNet, init_drafter
+from draftlab.models.drafters.build import init_drafter
+from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 
 

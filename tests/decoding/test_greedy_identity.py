@@ -7,7 +7,7 @@ import pytest
 from draftlab.config import SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate, step_many
 from draftlab.decoding.tree import Tree, load_tree
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from oracle import OracleDrafter
 
 PER_ROUND = dataclasses.replace(load_tree("wide-16").with_per_round(6), name="wide-16@6")  # a new shape each round

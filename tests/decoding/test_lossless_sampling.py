@@ -45,7 +45,7 @@ from draftlab.decoding import acceptance, engine
 from draftlab.decoding.acceptance import process_logits
 from draftlab.decoding.engine import SpeculativeDecoder
 from draftlab.decoding.tree import Tree, load_tree
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.models.target import load_target
 
 V = 8

@@ -7,7 +7,7 @@ from draftlab.config import NgramSpec, SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramIndex, graft
 from draftlab.decoding.tree import RoundTree, Tree, load_tree
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from oracle import OracleDrafter
 
 GREEDY = SamplingParams(max_new_tokens=40)
@@ -112,7 +112,7 @@ def test_untrained_drafter_with_real_lookups_identity(tiny, tiny_prompts, family
 
 def test_ngram_tree_specs_round_trip(tmp_path):
     """`+ngram` rides on every tree spec and survives tree.json, truncation and resolution."""
-    from draftlab.distill.tree_select import resolve_tree, save_tree
+    from draftlab.decoding.tree_files import resolve_tree, save_tree
     from draftlab.sweep.space import SweepConfig
 
     tree = load_tree("default+ngram")

@@ -8,7 +8,7 @@ from draftlab.config import NgramSpec, SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import STORE_FILE, NgramIndex, NgramStore
 from draftlab.decoding.tree import Tree
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 
 GREEDY = SamplingParams(max_new_tokens=40)
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftlab.distill.checkpoint import load_checkpoint, save_checkpoint
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 
 
 def _adamw(drafter):

@@ -31,7 +31,7 @@ from draftlab.distill.checkpoint import (
     verify_checkpoint,
 )
 from draftlab.distill.trainer import run_distill
-from draftlab.models.drafters.network import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.tracking import Tracker, TrackingUnavailable
 from mlflow_server import MlflowServer
 
@@ -109,7 +109,7 @@ import json, os, signal, sys, time
 import torch
 torch.set_num_threads(1)
 from draftlab.distill.checkpoint import save_checkpoint
-from draftlab.models.drafters.network import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.tracking import Tracker, TrackingUnavailable
 from draftlab.models.drafters.registry import drafter_class
 from draftlab.models.target import load_target

@@ -12,9 +12,13 @@ from draftlab.config import TrainConfig
 from draftlab.data.group_mask import build_group_layout
 from draftlab.distill.batching import collate
 from draftlab.distill.loader import TrainStream, batch_stream, epoch_batches
-from draftlab.distill.objective import DistillModule, gather_states, loss_and_backward
-from draftlab.distill.worker import teacher_states
-from draftlab.models.drafters import init_drafter
+from draftlab.distill.objective import (
+    DistillModule,
+    gather_states,
+    loss_and_backward,
+    teacher_states,
+)
+from draftlab.models.drafters.build import init_drafter
 
 K = 3
 LENGTHS = (9, 17, 12, 5)

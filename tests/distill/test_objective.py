@@ -12,9 +12,10 @@ from draftlab.distill.objective import (
     loss_and_backward,
     node_losses,
     noisy,
+    teacher_states,
 )
-from draftlab.distill.worker import frequent_tokens, teacher_states
-from draftlab.models.drafters import init_drafter
+from draftlab.distill.worker import frequent_tokens
+from draftlab.models.drafters.build import init_drafter
 from draftlab.models.target import load_target
 
 

@@ -13,10 +13,9 @@ import torch
 
 from draftlab.config import DistillConfig, TrainConfig, load_yaml
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import DistillModule, loss_and_backward
+from draftlab.distill.objective import DistillModule, loss_and_backward, teacher_states
 from draftlab.distill.precision import apply_matmul_precision, resolve_precision
-from draftlab.distill.worker import teacher_states
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 

@@ -4,10 +4,9 @@ import torch
 
 from draftlab.config import TargetSpec, TrainConfig
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import DistillModule, loss_and_backward
+from draftlab.distill.objective import DistillModule, loss_and_backward, teacher_states
 from draftlab.distill.ranks import acceptance_rates, conditional_rates, rank_tables
-from draftlab.distill.worker import teacher_states
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.models.target import load_target
 
 

@@ -8,11 +8,10 @@ from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import Tree
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import DistillModule, loss_and_backward
+from draftlab.distill.objective import DistillModule, loss_and_backward, teacher_states
 from draftlab.distill.ranks import acceptance_rates, rank_tables
 from draftlab.distill.replay import Replay, RoundCost, extrapolate, replay
-from draftlab.distill.worker import teacher_states
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.models.target import load_target
 
 GREEDY = SamplingParams(max_new_tokens=48)

@@ -21,8 +21,7 @@ from draftlab.config import BenchSpec, DistillConfig, ScalingSpec, TrainConfig
 from draftlab.distill.objective import DistillModule
 from draftlab.distill.trainer import run_distill
 from draftlab.distill.worker import evaluate
-from draftlab.models.drafters import init_drafter
-from draftlab.models.drafters.network import load_drafter
+from draftlab.models.drafters.build import init_drafter, load_drafter
 from draftlab.models.target import load_target
 
 pytestmark = pytest.mark.slow

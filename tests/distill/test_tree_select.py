@@ -5,9 +5,10 @@ import json
 import torch
 
 from draftlab.decoding.tree import load_tree
+from draftlab.decoding.tree_files import save_tree
 from draftlab.decoding.tree_search import best_tree
-from draftlab.distill.tree_select import save_tree, select_tree
-from draftlab.models.drafters import init_drafter
+from draftlab.distill.tree_select import select_tree
+from draftlab.models.drafters.build import init_drafter
 
 
 def _rows(tiny, n=3, length=40):

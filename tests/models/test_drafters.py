@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from draftlab.config import TargetSpec
-from draftlab.models.drafters import available_drafters, init_drafter, load_drafter, resolve_drafter
+from draftlab.models.drafters.build import init_drafter, load_drafter, resolve_drafter
+from draftlab.models.drafters.registry import available_drafters
 from draftlab.models.target import load_target
 
 
@@ -129,7 +130,7 @@ def test_drafter_dtype_moves_never_touch_the_target_head(tiny):
     master weights in training) must not convert the shared target in place, nor save it."""
     import torch
 
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     before = tiny.lm_head.weight.dtype
     drafter = init_drafter("parallel", tiny, k=2, depth=1).to(torch.float64)

@@ -11,7 +11,7 @@ import pytest
 from draftlab.config import SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import load_tree
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.serve.policy import EXPLORE_EVERY, SpeculationPolicy
 from draftlab.serve.scheduler import Scheduler
 

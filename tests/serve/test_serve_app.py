@@ -17,7 +17,7 @@ from ray import serve
 
 from draftlab.config import LoadtestConfig, SamplingParams, ServeArgs, TargetSpec
 from draftlab.decoding.engine import autoregressive_generate
-from draftlab.models.drafters import init_drafter
+from draftlab.models.drafters.build import init_drafter
 from draftlab.serve.app import build_app
 from draftlab.serve.loadtest import run_loadtest
 from mlflow_server import MlflowServer

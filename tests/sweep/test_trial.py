@@ -13,8 +13,8 @@ from draftlab.bench import bench_loaded
 from draftlab.cli import main
 from draftlab.config import BenchConfig
 from draftlab.decoding.tree import Tree, load_tree
+from draftlab.decoding.tree_files import resolve_tree
 from draftlab.decoding.tree_search import best_tree
-from draftlab.distill.tree_select import resolve_tree
 from draftlab.sweep.trial import SweepContext, plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +41,12 @@ def test_trials_differing_only_in_tree_share_one_training(tmp_path):
 def test_resolve_tree_chain_presets_and_searched(tmp_path):
     assert resolve_tree("chain", tmp_path, 3).paths == Tree.chain(3).paths
     assert resolve_tree(None, tmp_path, 3).paths == Tree.chain(3).paths  # no tree.json: the chain
+    assert resolve_tree(None, tmp_path, 2, fallback="small-6").name == "small-6-d2"  # the bench's fallback, cut
     (tmp_path / "tree.json").write_text("[[0], [1], [0, 0]]")
     assert resolve_tree(None, tmp_path, 3).paths == load_tree(str(tmp_path / "tree.json")).paths
     assert resolve_tree("small-6", tmp_path, 2).depth == 2  # a preset is cut to the drafter's K
     assert resolve_tree("small-6", tmp_path, 5).paths == load_tree("small-6").paths
+    assert resolve_tree("small-6+ngram", tmp_path, 2, cut=False).paths == load_tree("small-6").paths  # for an init: drafter
     acc = [[0.6, 0.2, 0.1], [0.5, 0.1, 0.05], [0.4, 0.1, 0.0]]
     (tmp_path / "tree-search.json").write_text(json.dumps({"acceptance": acc}))
     searched = resolve_tree("searched-4", tmp_path, 3)
@@ -54,7 +56,7 @@ def test_resolve_tree_chain_presets_and_searched(tmp_path):
 
 
 def test_bench_measures_named_trees_side_by_side(tiny, tmp_path):
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
 
     drafter = init_drafter("parallel", tiny, k=3, depth=1)
     cfg = BenchConfig(target={"name": "tiny-llama"}, drafter="init:parallel", limit=2, max_new_tokens=8, methods=["ar"])
@@ -89,7 +91,7 @@ def test_vllm_objective_ranks_by_the_speedup_vllm_measures(tmp_path):
     (real vLLM on CPU, a tiny head_dim-64 target); the row's speedup is vLLM's."""
     pytest.importorskip("vllm")
     from draftlab.config import DistillConfig
-    from draftlab.models.drafters import init_drafter
+    from draftlab.models.drafters.build import init_drafter
     from draftlab.models.target import load_target
     from draftlab.sweep.trial import _bench_trees
 

@@ -38,7 +38,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftlab.distill.sharding import load_optimizer_state, optimizer_state
-from draftlab.models.drafters.network import DrafterNet, load_drafter
+from draftlab.models.drafters.build import load_drafter
+from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
 
 FILES = ("drafter/config.json", "drafter/model.safetensors", "optimizer.safetensors", "state.json")

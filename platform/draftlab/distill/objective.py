@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from draftlab.config import TrainConfig
 from draftlab.distill.batching import Batch
 from draftlab.models.drafters.network import DrafterNet
+from draftlab.models.target import Target
 
 CHUNK_NODES = 512  # nodes per loss chunk: bounds (chunk, V) float32 logits to ~100 MB at V=49k
 
@@ -26,6 +27,21 @@ CHUNK_NODES = 512  # nodes per loss chunk: bounds (chunk, V) float32 logits to ~
 def gather_states(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """(B, L, H) states, (B, M) positions -> (B, M, H) the state at each node's position."""
     return torch.gather(hidden, 1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = None) -> torch.Tensor:
+    """(B, L, F) target features for `aux_layers` (`Target.features`: the states after the
+    aux layers, then the last hidden state), from the cache or from the frozen target. The
+    features are the cache's last F columns: all of a matching cache, the last state of a
+    fused one for a last-state family (`usable_features` keeps such caches)."""
+    aux = tuple(aux_layers or ())
+    width = (len(aux) + 1) * target.hidden_size  # F
+    if batch.hidden is not None and (not aux or batch.hidden.shape[-1] == width):
+        return batch.hidden[..., -width:].to(target.dtype)
+    mask = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None] < batch.lengths[:, None]
+    with torch.inference_mode():
+        feats = target.run_decoder(aux, input_ids=batch.input_ids, attention_mask=mask.long())
+    return feats.clone()  # clone: leave inference mode for autograd
 
 
 def decoder_mask(attend: torch.Tensor, attn_implementation: str) -> torch.Tensor:

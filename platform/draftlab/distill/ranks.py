@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.distill.batching import collate
-from draftlab.distill.objective import CHUNK_NODES, DistillModule, gather_states
-from draftlab.distill.worker import teacher_states
+from draftlab.distill.objective import CHUNK_NODES, DistillModule, gather_states, teacher_states
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
 

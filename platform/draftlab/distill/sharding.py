@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from draftlab.models.drafters.network import DrafterNet
+from draftlab.models.drafters.registry import drafter_class
 from draftlab.models.target import Target
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU
@@ -77,8 +78,6 @@ def unsharded_copy(
 ) -> DrafterNet:
     """A plain float32 drafter like `drafter` holding `weights` (`full_weights`): what rank 0
     exports after FSDP training."""
-    from draftlab.models.drafters.registry import drafter_class
-
     copy = drafter_class(drafter.cfg.family)(drafter.cfg, target).float()
     copy.load_state_dict(weights)
     copy.refresh_head()

@@ -11,7 +11,6 @@ Ray Train, the drafter directory through `draftlab.storage`.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,9 +19,10 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from draftlab.cluster import ensure_ray, output_dir, storage_uri
 from draftlab.config import DistillConfig
 from draftlab.distill.worker import train_fn_per_worker
-from draftlab.storage import is_uri, join, publish
+from draftlab.storage import is_uri, publish
 from draftlab.tracking import (
     Tracker,
     TrackingUnavailable,
@@ -30,18 +30,6 @@ from draftlab.tracking import (
     parent_tags,
     resolve_tracking_uri,
 )
-
-
-def storage_uri(path: str) -> str:
-    """Ray Train needs an absolute local path (or a URI such as s3://)."""
-    return path if "://" in path else str(Path(path).expanduser().resolve())
-
-
-def output_dir(cfg: DistillConfig) -> str:
-    """The drafter directory: a local absolute path or a URI."""
-    if cfg.output_dir:
-        return storage_uri(cfg.output_dir)
-    return join(storage_uri(cfg.storage_path), cfg.name, "drafter")
 
 
 def train_and_publish(config: dict) -> dict:
@@ -87,13 +75,6 @@ def build_trainer(
             callbacks=callbacks,
         ),
     )
-
-
-def ensure_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (set inside `ray job submit`), else start a
-    fresh local instance ("local": never silently join a stale `ray start` cluster)."""
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
 
 
 def registered_name(cfg: DistillConfig) -> str:

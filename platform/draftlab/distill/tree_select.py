@@ -22,11 +22,13 @@ import torch
 
 from draftlab.config import DistillConfig, NgramSpec
 from draftlab.decoding.ngram import NgramStore, graft
-from draftlab.decoding.tree import Tree, load_tree, split_ngram, split_per_round
-from draftlab.decoding.tree_search import best_tree, expected_accepted, searched_budget
+from draftlab.decoding.tree import Tree, load_tree, split_ngram
+from draftlab.decoding.tree_files import save_tree
+from draftlab.decoding.tree_search import best_tree, expected_accepted
 from draftlab.distill.ranks import acceptance_rates, rank_tables
 from draftlab.distill.replay import RoundCost, extrapolate, replay
-from draftlab.models.drafters.network import DrafterNet, load_drafter
+from draftlab.models.drafters.build import load_drafter
+from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.profiling import draft_ms, verify_ms
 from draftlab.storage import is_uri, local_copy, publish
@@ -144,10 +146,8 @@ def save_acceptance(
     """Only the measurement half of the search: `tree-search.json` with the held-out rank
     acceptance (what `searched-<n>` trees are built from), no timing and no `tree.json`.
     A sweep measures its trees' speed instead of predicting it."""
-    from draftlab.distill.worker import group_count
-
     rows = [evalset[i] for i in range(len(evalset))]
-    _, acc, extrapolated = _held_out_acceptance(drafter, target, rows, group_count(cfg), cfg.bench.search_ranks,
+    _, acc, extrapolated = _held_out_acceptance(drafter, target, rows, drafter.groups, cfg.bench.search_ranks,
                                                cfg.drafter.k)
     path = Path(out_dir) / "tree-search.json"
     path.write_text(
@@ -173,15 +173,13 @@ def _search(
 ) -> tuple[Tree, dict]:
     """`select_tree` on the held-out split with the `cfg.bench.search_*` settings, scoring
     the prompt lookups too (with the drafter's `store`) when `cfg.bench.tree` ends in `+ngram`."""
-    from draftlab.distill.worker import group_count
-
     b = cfg.bench
     rows = [evalset[i] for i in range(len(evalset))]
     return select_tree(
         drafter,
         target,
         rows,
-        group_count(cfg),
+        drafter.groups,
         b.search_budgets,
         b.search_ranks,
         b.search_context,
@@ -202,8 +200,8 @@ def search_and_save(
 def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> dict:
     """`draftlab select-tree`: redo the end-of-training search for a trained drafter (default:
     the run's drafter directory) on its cached held-out data; returns the search report."""
+    from draftlab.cluster import output_dir
     from draftlab.data.selfdistill import load_or_generate
-    from draftlab.distill.trainer import output_dir
 
     drafter_dir = drafter_dir or output_dir(cfg)
     local = local_copy(drafter_dir)
@@ -213,24 +211,6 @@ def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> d
     if is_uri(drafter_dir):  # the mirror holds the new files: store them beside the drafter
         publish(local, drafter_dir, ["tree.json", "tree-search.json"])
     return json.loads((path.parent / "tree-search.json").read_text())
-
-
-def searched_tree_file(drafter_dir: str | Path, budget: int) -> Path:
-    """`tree-searched-<n>.json` next to the drafter: the best `budget`-node tree under the
-    acceptance rates its `tree-search.json` recorded (written on first use; for a URI drafter,
-    into its local mirror)."""
-    drafter_dir = local_copy(drafter_dir)
-    report_file = drafter_dir / "tree-search.json"
-    if not report_file.is_file():
-        raise FileNotFoundError(
-            f"tree 'searched-{budget}' needs {report_file} (written by `draftlab distill` with bench.tree=searched, "
-            f"or by `draftlab select-tree`)"
-        )
-    path = drafter_dir / f"tree-searched-{budget}.json"
-    if not path.is_file():
-        acc = json.loads(report_file.read_text())["acceptance"]
-        path.write_text(best_tree(acc, budget).to_json() + "\n")
-    return path
 
 
 def per_round_tree(cfg: DistillConfig, tree: Tree, out_dir: str | Path) -> Tree | None:
@@ -246,40 +226,3 @@ def per_round_tree(cfg: DistillConfig, tree: Tree, out_dir: str | Path) -> Tree 
     pooled = Tree.from_paths([list(p) for p in paths], f"searched-{pool}@{tree.num_nodes}")
     pooled = pooled.with_per_round(tree.num_nodes)
     return pooled.with_ngram(tree.ngram) if tree.ngram else pooled
-
-
-def save_tree(tree: Tree, report: dict | None, out_dir: str | Path) -> Path:
-    """Write `tree.json` (and `tree-search.json` when a search chose it) into `out_dir`."""
-    out_dir = Path(out_dir)
-    (out_dir / "tree.json").write_text(tree.to_json() + "\n")
-    if report is not None:
-        (out_dir / "tree-search.json").write_text(json.dumps(report, indent=2) + "\n")
-    return out_dir / "tree.json"
-
-
-def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int) -> Tree:
-    """The tree a drafter drafting `k` deep verifies with: `chain` (= chain-k), `chain-<n>`,
-    a preset (cut to depth k), `searched-<n>` (from the drafter's tree-search.json), a JSON
-    file, or None = the drafter directory's `tree.json` when it has one, else chain-k; any of
-    them followed by `@n` verifies n of its nodes per round, then `+ngram` grafts prompt
-    lookups each round."""
-    if spec is None:
-        saved = local_copy(drafter_dir) / "tree.json" if drafter_dir else None
-        spec = str(saved) if saved is not None and saved.is_file() else "chain"
-    spec, ngram = split_ngram(spec)
-    if ngram:
-        return resolve_tree(spec, drafter_dir, k).with_ngram()
-    spec, per_round = split_per_round(spec)
-    if per_round is not None:
-        return resolve_tree(spec, drafter_dir, k).with_per_round(per_round)
-    if spec == "chain":
-        return Tree.chain(k)
-    budget = searched_budget(spec)
-    if budget:
-        if drafter_dir is None:
-            raise ValueError(
-                f"tree {spec!r} needs a saved drafter directory (its tree-search.json)"
-            )
-        found = load_tree(str(searched_tree_file(drafter_dir, budget)), k)
-        return Tree.from_paths([list(p) for p in found.paths], spec)
-    return load_tree(spec).truncated(k)

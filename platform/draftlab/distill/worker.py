@@ -4,7 +4,8 @@ Each worker loads the frozen target (embeddings, head, and the teacher when feat
 not cached), reads the cached self-distillation data, trains its DDP replica (or FSDP shard,
 `scaling.strategy`) on its share of the batches, and reports a checkpoint (drafter +
 optimizer + step + data position) every N steps. Held-out evaluation is sharded across the
-ranks too (every rank computes the same totals).
+ranks too (every rank computes the same totals). Rank 0 then finishes the run
+(`finalize.finish`: the drafter saved, its curve, its tree chosen and benched).
 Rank 0 alone talks to MLflow: it tries to flush buffered metrics just before each
 checkpoint and stores whatever MLflow has not received in that checkpoint, so an outage
 never stalls training and a restart never duplicates or skips a logged step.
@@ -24,14 +25,13 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from draftlab.config import BenchConfig, DistillConfig, NgramSpec
+from draftlab.config import DistillConfig
 from draftlab.data.selfdistill import training_view
-from draftlab.decoding.ngram import STORE_FILE, NgramStore
-from draftlab.decoding.tree import Tree, load_tree, split_ngram
-from draftlab.distill.batching import Batch, collate
+from draftlab.distill.batching import collate
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
+from draftlab.distill.finalize import finish
 from draftlab.distill.loader import TrainStream, batch_stream, epoch_batches
-from draftlab.distill.objective import DistillModule, Stats, loss_and_backward
+from draftlab.distill.objective import DistillModule, Stats, loss_and_backward, teacher_states
 from draftlab.distill.precision import (
     apply_matmul_precision,
     autocast_context,
@@ -45,9 +45,9 @@ from draftlab.distill.sharding import (
     unsharded_copy,
     wrap_model,
 )
-from draftlab.models.drafters.network import DrafterNet, init_drafter, load_drafter
+from draftlab.models.drafters.build import init_drafter, load_drafter
+from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
-from draftlab.models.drafters.registry import drafter_class
 from draftlab.models.target import Target, load_target
 from draftlab.tracking import Tracker
 
@@ -56,11 +56,6 @@ from draftlab.tracking import Tracker
 # `train.prefetch: 0`); read (or compute) the target's features; drafter forward (the group
 # mask is built there, on the device), loss and backward; gradient clipping and the optimizer.
 PHASES = ("collate", "features", "forward_backward", "optimizer")
-
-
-def group_count(cfg: DistillConfig) -> int:
-    """Parallel drafters train K groups; the autoregressive baseline trains K = 1 (EAGLE)."""
-    return cfg.drafter.k if drafter_class(cfg.drafter.family).trains_groups else 1
 
 
 def frequent_tokens(train: datasets.Dataset, n: int, vocab: int, always: frozenset[int]) -> torch.Tensor:
@@ -92,28 +87,6 @@ def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -
         if spec.vocab_size:
             drafter.set_vocab(frequent_tokens(train, spec.vocab_size, target.vocab_size, target.eos_token_ids))
     return drafter.float().train()  # float32 master weights (autocast does the bf16 math)
-
-
-def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = None) -> torch.Tensor:
-    """(B, L, F) target features for `aux_layers` (`Target.features`: the states after the
-    aux layers, then the last hidden state), from the cache or from the frozen target. The
-    features are the cache's last F columns: all of a matching cache, the last state of a
-    fused one for a last-state family (`usable_features` keeps such caches)."""
-    aux = tuple(aux_layers or ())
-    width = (len(aux) + 1) * target.hidden_size  # F
-    if batch.hidden is not None and (not aux or batch.hidden.shape[-1] == width):
-        return batch.hidden[..., -width:].to(target.dtype)
-    mask = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None] < batch.lengths[:, None]
-    with torch.inference_mode():
-        feats = target.run_decoder(aux, input_ids=batch.input_ids, attention_mask=mask.long())
-    return feats.clone()  # clone: leave inference mode for autograd
-
-
-def save_lookup_store(train: datasets.Dataset, out_dir: Path) -> None:
-    """The target's responses to the training prompts, as the drafter's `NgramStore`."""
-    cols = train.select_columns(["input_ids", "prompt_len"])
-    responses = (ids[p:] for ids, p in zip(cols["input_ids"], cols["prompt_len"], strict=True))
-    NgramStore.build(responses, NgramSpec()).save(out_dir / STORE_FILE)
 
 
 def usable_features(data: datasets.Dataset, cfg: DistillConfig, target: Target, drafter: DrafterNet) -> datasets.Dataset:
@@ -224,21 +197,6 @@ def evaluate(model: torch.nn.Module, target: Target, evalset: datasets.Dataset, 
     return _sum_over_ranks(stats)
 
 
-def training_curve(cfg: DistillConfig, drafter: DrafterNet, target: Target, evaluations: list[dict]) -> dict:
-    """The run's held-out evaluations against training minutes and tokens, each priced as a
-    K-chain on this hardware: predicted speedup = sim. accept len x t_decode / (t_verify(K+1
-    rows) + t_draft(K)), with the costs measured once here (what more training would buy)."""
-    from draftlab.profiling import draft_ms, verify_ms
-
-    k, ctx = cfg.drafter.k, cfg.bench.search_context
-    with torch.inference_mode():
-        decode, chain = verify_ms(target, [None, Tree.chain(k)], ctx, repeats=5)
-        draft = draft_ms(drafter, k, ctx, repeats=5)
-    rows = [e | {"predicted_speedup": e["sim_accept_len"] * decode / (chain + draft)} for e in evaluations]
-    return {"k": k, "context": ctx, "decode_ms": decode, "verify_chain_ms": chain, "draft_ms": draft,
-            "evaluations": rows}
-
-
 def train_fn_per_worker(config: dict) -> dict:
     cfg = DistillConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -251,7 +209,6 @@ def train_fn_per_worker(config: dict) -> dict:
     target = load_target(cfg.target.model_copy(update={"device": device.type}))
     data = training_view(datasets.load_from_disk(config["data_path"]))
     train, evalset = data["train"], data["eval"]
-    k = group_count(cfg)
     tracker = Tracker(
         tracking_uri=config.get("tracking_uri"),
         experiment=cfg.tracking.experiment,
@@ -278,6 +235,7 @@ def train_fn_per_worker(config: dict) -> dict:
         optimizer = make_optimizer(drafter)
         state = {"step": 0, "epoch": 0, "batch": 0, "elapsed_s": 0.0, "tokens": 0}
     model = wrapped["model"]
+    k = drafter.groups  # training groups per packed position
     sharded = is_sharded(model)
     scaler = grad_scaler(precision, device)
     scaler_state = state.pop("grad_scaler", None)
@@ -433,47 +391,7 @@ def train_fn_per_worker(config: dict) -> dict:
         "strategy": "fsdp" if sharded else ("ddp" if world > 1 else "single"),
     }
     out_dir = Path(config["output_dir"])
-    exported.eval().save(out_dir)
-    save_lookup_store(train, out_dir)
-    served = load_drafter(out_dir, target)  # as users load it: the target's dtype
-    curve = training_curve(cfg, served, target, state["evaluations"])
-    (out_dir / "training.json").write_text(json.dumps(curve, indent=2) + "\n")
-    tracker.log_dict(curve, "training.json")
-    if cfg.bench.enabled:
-        from draftlab.bench import bench_loaded
-        from draftlab.distill.tree_select import (  # imports this module
-            choose_tree,
-            per_round_tree,
-            save_tree,
-        )
-
-        tree_file = choose_tree(cfg, served, target, evalset, out_dir)
-        verify_tree = load_tree(str(tree_file))
-        pooled = per_round_tree(cfg, verify_tree, out_dir) if split_ngram(cfg.bench.tree)[0] == "searched" else None
-        trees = {pooled.name: pooled} if pooled is not None else {}
-        depth = cfg.bench.chain_depth  # the chain methods' draft length
-        chain_k = cfg.drafter.k if depth == "k" else verify_tree.depth if depth == "tree" else depth
-        bcfg = BenchConfig(
-            target=cfg.target, drafter=str(out_dir), prompts=cfg.bench.prompts, limit=cfg.bench.limit,
-            max_new_tokens=cfg.bench.max_new_tokens, k=chain_k, tree=str(tree_file), methods=cfg.bench.methods,
-        )
-        report_ = bench_loaded(target, served, bcfg, progress=False, trees=trees)
-        summary["bench"] = report_
-        best = max((m for m in report_["methods"] if m.startswith("draftlab_")), key=lambda m: report_["methods"][m]["speedup_vs_ar"])
-        # the measured winner is what the drafter is served with: its tree.json
-        chain = best.startswith("draftlab_chain")
-        if best.startswith("draftlab_tree:"):  # the per-round tree, with its own lookups
-            chosen = trees[best.removeprefix("draftlab_tree:")]
-        else:
-            chosen = Tree.chain(chain_k) if chain else Tree.from_paths(
-                [list(p) for p in verify_tree.paths], split_ngram(cfg.bench.tree)[0])
-            # the lookups it was measured with: the bench's for `*_ngram`, else the searched tree's own
-            ngram = bcfg.ngram if best.endswith("_ngram") else None if chain else verify_tree.ngram
-            chosen = chosen.with_ngram(ngram) if ngram else chosen
-        save_tree(chosen, None, out_dir)
-        summary |= {"tau": report_["methods"][best]["tau"], "speedup_vs_ar": report_["methods"][best]["speedup_vs_ar"],
-                    "best_method": best, "tree": chosen.name, "greedy_identical": report_["greedy_identical"]}
-        tracker.log_dict(report_, "bench.json")
+    summary |= finish(cfg, exported, target, train, evalset, state["evaluations"], out_dir, tracker)
     final_metrics = {k_: float(v) for k_, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     final_metrics |= {f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)}
     final_metrics |= {f"train/step_ms_{n}": v for n, v in summary["train_step_ms"].items()}

@@ -107,7 +107,7 @@ class PipelineRun:
 
     @property
     def storage(self) -> str:
-        from draftlab.distill.trainer import storage_uri
+        from draftlab.cluster import storage_uri
 
         return storage_uri(self.p.distill.storage_path)
 

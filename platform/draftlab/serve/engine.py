@@ -72,8 +72,8 @@ class DraftEngine:
     def __init__(self, args: dict):
         from draftlab.decoding.engine import SpeculativeDecoder
         from draftlab.decoding.ngram import NgramStore
-        from draftlab.distill.tree_select import resolve_tree
-        from draftlab.models.drafters.network import resolve_drafter
+        from draftlab.decoding.tree_files import resolve_tree
+        from draftlab.models.drafters.build import resolve_drafter
         from draftlab.models.target import load_target
         from draftlab.serve.pair import resolve_pair
         from draftlab.serve.scheduler import Scheduler

@@ -160,7 +160,7 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
 
     path = Path(drafter)
     if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
-        from draftlab.models.drafters.network import init_drafter
+        from draftlab.models.drafters.build import init_drafter
         from draftlab.models.target import load_target
 
         k, loaded = args.num_speculative_tokens or 4, load_target(target)

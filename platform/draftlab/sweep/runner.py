@@ -106,7 +106,7 @@ class SweepCallback(tune.Callback):
 
 
 def _paths(base: dict, name: str) -> tuple[Path, Path]:
-    from draftlab.distill.trainer import storage_uri
+    from draftlab.cluster import storage_uri
 
     storage = storage_uri(base.get("storage_path", ".draftlab/ray"))
     if "://" in storage:  # Path() would fold it into a local `s3:/...` directory
@@ -162,8 +162,8 @@ def run_sweep(path: str | Path, overrides: dict | None = None, progress: bool = 
 
 def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = True) -> dict:
     """Run an already loaded sweep (`load_sweep`, or built by `draftlab pipeline`)."""
+    from draftlab.cluster import ensure_ray
     from draftlab.data.selfdistill import load_or_generate
-    from draftlab.distill.trainer import ensure_ray
     from draftlab.submit import check_hub_access
 
     exp_dir, trainings = _paths(base, sweep.name)
@@ -179,7 +179,7 @@ def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = Tr
 def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
     """Continue an interrupted sweep from its Tune experiment directory: finished trials
     are kept, unfinished ones resume (their trainings from the latest checkpoint)."""
-    from draftlab.distill.trainer import ensure_ray
+    from draftlab.cluster import ensure_ray
 
     exp_dir = Path(exp_dir).expanduser().resolve()
     state_file = exp_dir / STATE_FILE

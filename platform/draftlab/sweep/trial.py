@@ -108,7 +108,7 @@ def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
 
     from draftlab.data.selfdistill import training_view
     from draftlab.distill.tree_select import save_acceptance
-    from draftlab.models.drafters.network import load_drafter
+    from draftlab.models.drafters.build import load_drafter
     from draftlab.models.target import load_target
 
     cfg = DistillConfig.model_validate(cfg_json)
@@ -123,8 +123,8 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
     bench per chain: vLLM engines run one after another)."""
     from draftlab.bench import bench_loaded
     from draftlab.config import BenchConfig
-    from draftlab.distill.tree_select import resolve_tree
-    from draftlab.models.drafters.network import load_drafter
+    from draftlab.decoding.tree_files import resolve_tree
+    from draftlab.models.drafters.build import load_drafter
     from draftlab.models.target import load_target
 
     cfg = DistillConfig.model_validate(cfg_json)
@@ -271,7 +271,7 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
     tracker.log_metrics_now(metrics if summary["trained_here"] else metrics | training, summary["steps"])
     metrics |= training
     tracker.log_dict(result, "bench.json")
-    from draftlab.distill.tree_select import save_tree
+    from draftlab.decoding.tree_files import save_tree
 
     with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
         staged = Path(tmp) / "drafter"

@@ -66,8 +66,6 @@ class FusedInputLayer(LlamaDecoderLayer):
 
 @register_drafter("p-eagle")
 class PEagleDrafter(ParallelDrafter):
-    uses_aux_features = True
-
     @classmethod
     def configure(cls, cfg: DrafterConfig, target: Target) -> DrafterConfig:
         n = target.num_layers

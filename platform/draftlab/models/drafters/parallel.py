@@ -20,8 +20,6 @@ from draftlab.models.drafters.registry import register_drafter
 
 @register_drafter("parallel")
 class ParallelDrafter(DrafterNet):
-    trains_groups = True
-
     def build_extra(self, cfg: DrafterConfig) -> None:
         # k-1 masks: the last real token already yields the first draft.
         self.mask_embeddings = nn.Parameter(torch.randn(cfg.k - 1, cfg.decoder["hidden_size"]) * 0.02)
