@@ -28,6 +28,9 @@ def check_contract(report: dict, prompts: int, max_new: int) -> None:
         assert m["by_category"], name
         for cat in m["by_category"].values():
             assert isinstance(cat["tokens_per_s"], float) and isinstance(cat["tau"], float)
+    ar = report["methods"]["ar"]["tokens_per_s"]
+    for name, m in report["methods"].items():  # every speedup is the method's speed over `ar`'s
+        assert m["speedup_vs_ar"] == pytest.approx(m["tokens_per_s"] / ar), name
     assert report["methods"]["ar"]["speedup_vs_ar"] == 1.0
     assert report["methods"]["ar"]["tau"] == 1.0
 

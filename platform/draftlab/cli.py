@@ -45,6 +45,7 @@ from draftlab.config import (
     load_yaml,
     parse_overrides,
 )
+from draftlab.errors import DraftlabError
 from draftlab.submit import DEFAULT_ADDRESS, ENTRYPOINTS
 
 QUICK = "jobs/configs/pipeline-tiny-quick.yaml"  # `draftlab pipeline --quick` (from the repo root)
@@ -412,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         print(f"draftlab {args.command}: " + format_validation_error(e, "command-line options"), file=sys.stderr)
         return 2
-    except (ConfigError, ValueError, KeyError, FileNotFoundError, OSError, NotImplementedError, ConnectionError) as e:
+    except (ConfigError, DraftlabError, ValueError, KeyError, FileNotFoundError, OSError, NotImplementedError,
+            ConnectionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"draftlab {args.command}: error: {msg}", file=sys.stderr)
         return 2

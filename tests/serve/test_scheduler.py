@@ -100,6 +100,12 @@ def test_cancelled_and_failing_requests_leave_the_others_alone(tiny, tiny_prompt
     events = drain(q_ok)
     assert "".join(e.get("delta", "") for e in events) == autoregressive_generate(tiny, tiny_prompts[2], params).text
     assert sched.alive and sched.num_active == 0
+    # the cancelled request was dropped: no more events, never finished, far from its 2000 tokens
+    cancelled = []
+    while not q_cancel.empty():
+        cancelled.append(q_cancel.get_nowait())
+    assert not any("done" in e or "error" in e for e in cancelled) and len(cancelled) < 2000
+    assert t_cancel.session is None or not t_cancel.session.done
     sched.shutdown()
     assert not sched.alive
 

@@ -159,6 +159,7 @@ def test_loadtest_reports_every_level_and_mode(base_url):
         assert r["errors"] == 0 and r["requests"] == 3 and r["output_tokens_per_s"] > 0
         assert r["ttft_p50_s"] <= r["latency_p95_s"]
         assert r["tau"] == 1.0 if mode == "off" else r["tau"] >= 1.0
+        assert (r["drafted"] > 0) == (mode == "on"), (mode, r["drafted"])  # `on` drafts every round, `off` never
 
 
 def test_serve_status_lists_the_app():

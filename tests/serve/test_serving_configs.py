@@ -44,8 +44,10 @@ def test_serving_config_validates_and_builds(path):
         assert all(("GPU" in b) == (spec["args"].accelerator == "gpu") for b in bundles)
     else:
         assert spec["builder"] is build_app
+        from ray import serve
+
         app = build_app(spec["args"])  # builds the graph without Ray: nothing is deployed
-        assert app is not None
+        assert isinstance(app, serve.Application), type(app)  # what `serve.run` / a Serve config deploys
         auto = engine_options(spec["args"])["autoscaling_config"]
     assert auto["max_replicas"] >= auto["min_replicas"]
 

@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftlab.distill.sharding import load_optimizer_state, optimizer_state
+from draftlab.errors import DraftlabError
 from draftlab.models.drafters.build import load_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
@@ -48,7 +49,7 @@ MANIFEST = "MANIFEST.json"
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DraftlabError):
     """A checkpoint is incomplete or corrupt."""
 
 

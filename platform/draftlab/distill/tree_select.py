@@ -206,8 +206,9 @@ def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> d
     drafter_dir = drafter_dir or output_dir(cfg)
     local = local_copy(drafter_dir)
     target = load_target(cfg.target)
+    drafter = load_drafter(local, target)  # before the data: a wrong directory fails at once
     evalset = load_or_generate(cfg.data, cfg.target, progress=False)["eval"]
-    path = search_and_save(cfg, load_drafter(local, target), target, evalset, local)
+    path = search_and_save(cfg, drafter, target, evalset, local)
     if is_uri(drafter_dir):  # the mirror holds the new files: store them beside the drafter
         publish(local, drafter_dir, ["tree.json", "tree-search.json"])
     return json.loads((path.parent / "tree-search.json").read_text())

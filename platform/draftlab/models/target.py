@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from draftlab.config import TargetSpec
+from draftlab.errors import DraftlabError
 from draftlab.models import attention
 from draftlab.models.fingerprint import NotFromFiles, files_fingerprint, weights_fingerprint
 
@@ -152,7 +153,8 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+        raise DraftlabError("device 'cuda' requested, but this torch sees no CUDA device (torch.cuda.is_available() "
+                            "is False): use --device cpu or auto, or install a CUDA build of torch")
     return torch.device(device)
 
 

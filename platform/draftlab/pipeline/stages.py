@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draftlab.config import BenchConfig, ConfigError, ProfileConfig
+from draftlab.errors import DraftlabError
 
 if TYPE_CHECKING:
     from draftlab.pipeline.runner import PipelineRun
 
 
-class StageFailed(RuntimeError):
+class StageFailed(DraftlabError):
     """A stage could not produce its outputs; the message says which and why."""
 
 

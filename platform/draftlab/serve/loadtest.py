@@ -4,7 +4,8 @@ For each concurrency level C (and each speculation mode, run back to back so mod
 compared on the same machine state), C clients each send a chat completion, wait for it
 to finish and send the next, until the level's request count is done. Reported per level:
 requests/s, output tokens/s, p50/p95 time to first token and latency, tau (tokens per
-target forward, from the `usage.speculative` the server returns) and errors.
+target forward, from the `usage.speculative` the server returns), draft tokens verified and
+errors.
 
 With `duration_s` (a soak) each level runs for that long instead, and the report adds a
 timeline per `window_s`: requests, errors, latency p50/p95 and the resident memory of the
@@ -160,6 +161,7 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
         "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
         "latency_p50_s": _percentile(lats, 50), "latency_p95_s": _percentile(lats, 95),
         "tau": (forwards + sum(s["accepted"] for s in specs)) / forwards if forwards else None,
+        "drafted": sum(s["drafted"] for s in specs),  # draft tokens the target verified
         "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
         "error_samples": sorted({o.error for o in outcomes if not o.ok})[:3],
     }

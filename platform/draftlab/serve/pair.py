@@ -18,7 +18,7 @@ from pathlib import Path
 
 from draftlab.config import ConfigError, ServeArgs, TargetSpec
 from draftlab.storage import is_uri, local_copy
-from draftlab.tracking import drafter_model_name, resolve_tracking_uri
+from draftlab.tracking import drafter_model_name, mlflow_client
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,11 @@ def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
 def model_version(args: ServeArgs):
     """The registered version `args` names (no download): (uri, tracking uri, version).
     Raises ConfigError naming the URI and the store when it does not exist."""
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     uri = args.model_uri or default_model_uri(args)
     name, alias, version = _parse_models_uri(uri)
-    tracking = resolve_tracking_uri(args.tracking_uri)
-    client = MlflowClient(tracking_uri=tracking)
+    tracking, client = mlflow_client(args.tracking_uri)
     try:
         mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
     except MlflowException as e:
