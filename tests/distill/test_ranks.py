@@ -1,8 +1,12 @@
-"""Per-depth rank acceptance: the conditioning rule by hand, and agreement with evaluation."""
+"""Per-depth rank acceptance: the conditioning rule by hand, agreement with evaluation, and
+with the engine's own acceptance."""
 
+import pytest
 import torch
 
-from draftlab.config import TargetSpec, TrainConfig
+from draftlab.config import SamplingParams, TargetSpec, TrainConfig
+from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from draftlab.decoding.tree import Tree
 from draftlab.distill.batching import collate
 from draftlab.distill.objective import DistillModule, loss_and_backward, teacher_states
 from draftlab.distill.ranks import acceptance_rates, conditional_rates, rank_tables
@@ -43,3 +47,28 @@ def test_depth1_rank0_equals_evaluated_agreement():
     assert len(acc) == 3 and all(len(row) == 3 for row in acc)
     assert all(0.0 <= a <= 1.0 for row in acc for a in row) and all(sum(row) <= 1.0 + 1e-9 for row in acc)
     assert abs(acc[0][0] - stats.accuracy[0]) < 1e-9
+
+
+@pytest.mark.parametrize("family", ["parallel", "p-eagle"])
+def test_the_engines_acceptance_is_the_rank_tables_on_the_same_text(family):
+    """The tree search trusts `rank_tables`; the engine is what users run. Replaying a chain-1
+    greedy decode through the table (accepted iff the target's token ranks first, then the
+    next anchor is one or two tokens on) must give the engine's own round-by-round outcome."""
+    target = load_target(TargetSpec(name="tiny-llama-v8", dtype="float32"))  # 8 tokens: partial acceptance
+    drafter = init_drafter(family, target, k=1, depth=1, seed=3)
+    prompt, new = [0, 3, 5, 1, 6, 2], 40
+    text = prompt + autoregressive_generate(target, prompt, SamplingParams(max_new_tokens=new + 4)).tokens
+    assert len(text) == len(prompt) + new + 4  # no EOS in this vocabulary
+    table = rank_tables(drafter, target, [{"input_ids": text, "prompt_len": len(prompt)}], k=1)[0][:, 0]  # (L-1,)
+
+    session = SpeculativeDecoder(target, drafter, Tree.chain(1)).start(prompt, SamplingParams(max_new_tokens=new))
+    engine, expected, anchor = [], [], len(prompt) - 1  # anchor: x_0..x_{a+1} committed (the prompt + its first token)
+    while not session.done:
+        before = session.stats.accepted
+        session.step()
+        engine.append(session.stats.accepted - before)
+        expected.append(int(table[anchor] == 0))  # the target's next token ranks first: the draft is accepted
+        anchor += 1 + expected[-1]
+    assert 0 < sum(engine) < len(engine), engine  # both outcomes occur
+    assert engine == expected
+    assert session.tokens == text[len(prompt):][:new]
