@@ -165,7 +165,7 @@ def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_pat
 
     def drafted(**kw) -> int:
         cfg = BenchConfig(target=TargetSpec(name=target.name), drafter=str(saved), methods=["ar", "vllm_draftlab"], **kw)
-        return _vllm_plan(target, drafter, cfg, [], tmp_path / "work")["vllm_draftlab"]["speculative_config"]["num_speculative_tokens"]
+        return _vllm_plan(target, drafter, cfg, saved, [], tmp_path / "work")["vllm_draftlab"]["speculative_config"]["num_speculative_tokens"]
 
     assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
     assert drafted(k=3) == 3  # --k wins

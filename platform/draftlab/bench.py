@@ -178,7 +178,8 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     if spec_methods and drafter is None:
         raise ValueError(f"methods {spec_methods} need a drafter (--drafter PATH or init:<family>)")
     encoded = [(p, target.encode_prompt(p.messages)) for p in prompts]
-    vllm_plan = _vllm_plan(target, drafter, cfg, encoded, work)  # before any decoding: fail fast
+    saved = _drafter_dir(cfg)  # listed once: an s3:// drafter's mirror is synced per call
+    vllm_plan = _vllm_plan(target, drafter, cfg, saved, encoded, work)  # before any decoding: fail fast
 
     runners: dict[str, Callable[[list[int]], Run]] = {
         "ar": _engine_runner(lambda p, sp: autoregressive_generate(target, p, sp), params),
@@ -191,8 +192,8 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     if spec_methods:
         k = cfg.k or drafter.cfg.k
         if set(TREE_METHODS) & set(methods):
-            tree = resolve_tree(cfg.tree, _drafter_dir(cfg), drafter.cfg.k, BENCH_TREE)
-        store = NgramStore.beside(_drafter_dir(cfg))  # lookups where the text has no match
+            tree = resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE)
+        store = NgramStore.beside(saved)  # lookups where the text has no match
 
         def decoder(verified: Tree) -> Callable[[list[int]], Run]:
             return _engine_runner(SpeculativeDecoder(target, drafter, verified, store).generate, params)
@@ -338,7 +339,8 @@ def _near_tie(target: Target, prompt: list[int], a: list[int], b: list[int], pos
             "margin": abs(float(last[a[pos]] - last[b[pos]])), "top2_gap": float(top[0] - top[1])}
 
 
-def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, encoded: list, work: Path) -> dict:
+def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, source: Path | None, encoded: list,
+               work: Path) -> dict:
     """{vllm method: its engine's speculative settings ({} = target only)} in run order,
     `vllm_ar` first; {} without vLLM methods. Checks what would otherwise fail after
     minutes of decoding: vLLM installed, prompts fit `vllm.max_model_len`, the drafter
@@ -378,7 +380,6 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, enc
                              f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
-        source = _drafter_dir(cfg)
         k = cfg.k or (served_draft_length(source) if source else drafter.cfg.k)  # as deep as its tree.json drafts
         spec = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
         if "vllm_draftlab" in asked:
