@@ -3,10 +3,13 @@
 Invariants between rounds (n = committed tokens so far, prompt included):
   * the target cache holds tokens 0..n-2; token n-1 (the last bonus, `root`) is not in it;
   * the drafter has `pending` entries (token x_t, target features h_{t-1}) not yet committed.
-A round: the drafter commits `pending` and drafts; the target verifies root + drafts in one
-forward (each row attends to the context and its tree ancestors, position = n-1 + depth);
-the walk accepts a path; the target cache keeps root + accepted rows; the accepted tokens
-and the bonus become the next `pending`.
+A round (`step_many`, top-down in this file):
+  1. draft (`Session.draft`): the drafter commits `pending` and drafts a tree (plus grafted
+     lookups) into a `Block`;
+  2. verify (`verify`): the target scores root + drafts in one forward (each row attends to
+     the context and its tree ancestors, position = n-1 + depth);
+  3. accept (`Session.accept`): the walk accepts a path; the target cache keeps root +
+     accepted rows; the accepted tokens and the bonus become the next `pending`.
 
 Greedy output equals target-only greedy decoding token for token; sampled output has the
 target's distribution (see `acceptance.py`).
@@ -90,71 +93,6 @@ class GenerationResult:
     stats: DecodeStats
 
 
-def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    gen = torch.Generator(device=device)
-    if params.seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(params.seed)
-    return gen
-
-
-def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Next token from (V,) target logits: argmax, or a sample of the processed distribution."""
-    if params.greedy:
-        return int(logits.argmax())
-    return sample(process_logits(logits, params.temperature, params.top_p), gen)
-
-
-def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, stats: DecodeStats,
-             aux_layers: tuple[int, ...] = ()):
-    if not prompt:
-        raise ValueError("prompt must contain at least one token")
-    t0 = time.perf_counter()
-    ids = torch.tensor(prompt, device=target.device)
-    cache = target.new_cache()
-    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache, aux_layers=aux_layers)
-    first = _choose(logits[-1], params, gen)
-    stats.prefill_s = time.perf_counter() - t0
-    return cache, hidden, first
-
-
-def _finish(stopper: Stopper, stats: DecodeStats, t_start: float) -> GenerationResult:
-    stats.total_s = time.perf_counter() - t_start
-    stats.new_tokens = len(stopper.tokens)
-    return GenerationResult(stopper.tokens, stopper.text, stopper.finish_reason or "length", stats)
-
-
-@torch.inference_mode()
-def autoregressive_generate(target: Target, prompt: list[int], params: SamplingParams) -> GenerationResult:
-    """Target-only decoding with a KV cache: the reference every speedup is measured against."""
-    t_start = time.perf_counter()
-    stats, gen = DecodeStats(), _generator(params, target.device)
-    stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
-    cache, _, tok = _prefill(target, prompt, params, gen, stats)
-    pos = len(prompt)
-    while not stopper.feed([tok]):
-        t0 = time.perf_counter()
-        logits, _ = target.forward(torch.tensor([tok], device=target.device), torch.tensor([pos], device=target.device), cache)
-        tok = _choose(logits[-1], params, gen)
-        pos += 1
-        stats.verify_s += time.perf_counter() - t0
-        stats.record(drafted=0, accepted=0, depth=0)
-    return _finish(stopper, stats, t_start)
-
-
-def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
-    """Keys each verified row of `tree` sees after `ctx` cached tokens (the context, then its
-    ancestors and itself), for the target's verify attention (row-exact on CPU, fused on
-    CUDA: `attention.choose`). A chain's rows are causal prefixes; `ancestors`, `counts` =
-    `tree.ancestor_rows` on the target's device."""
-    if tree.is_chain:
-        return [ctx + i + 1 for i in range(tree.num_nodes + 1)]
-    return RowPlan.tree(ctx, ancestors, counts)
-
-
 @dataclass
 class Block:
     """What one round hands the target: tokens, positions and the keys each row sees
@@ -171,9 +109,8 @@ class Block:
 
 def step_many(sessions: list[Session], speculate: list[bool],
               on_error: Callable[[Session, Exception], None] | None = None) -> None:
-    """One round of several sessions with a single target forward: each drafts (or not),
-    their blocks are verified together (`Target.forward_many`: every row still sees only
-    its own session's keys, so outputs are those of `Session.step`), then each commits.
+    """One round of several sessions, as the method names it: each session drafts (or not:
+    `speculate`), one target forward verifies every block (`verify`), each session accepts.
 
     `on_error(session, exc)` isolates failures (default: raise): a session whose drafting
     or acceptance fails is reported alone; a failed shared forward reports every session
@@ -185,7 +122,7 @@ def step_many(sessions: list[Session], speculate: list[bool],
         on_error(s, e)
 
     live, blocks = [], []
-    for s, sp in zip(sessions, speculate, strict=True):
+    for s, sp in zip(sessions, speculate, strict=True):  # 1. draft
         if s.done:
             continue
         try:
@@ -195,21 +132,29 @@ def step_many(sessions: list[Session], speculate: list[bool],
             fail(s, e)
     if not live:
         return
-    t0 = time.perf_counter()
-    try:
-        dec = live[0].dec
-        outs = dec.target.forward_many([(b.ids, b.positions, s.cache, b.rows) for s, b in zip(live, blocks, strict=True)],
-                                       dec.aux_layers)
+    try:  # 2. verify
+        outs, verify_s = verify(live, blocks)
     except Exception as e:
         for s in live:
             fail(s, e)
         return
-    verify_s = (time.perf_counter() - t0) / len(live)  # the shared forward, split evenly
-    for s, b, (logits, hid) in zip(live, blocks, outs, strict=True):
+    for s, b, (logits, hid) in zip(live, blocks, outs, strict=True):  # 3. accept
         try:
-            s.commit(b, logits, hid, verify_s)
+            s.accept(b, logits, hid, verify_s)
         except Exception as e:
             fail(s, e)
+
+
+def verify(sessions: list[Session], blocks: list[Block]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+    """The target scores every session's block in one forward (`Target.forward_many`: each
+    row sees only its own session's keys, so the outputs equal one forward per session) and
+    appends the blocks' rows to the sessions' caches; `accept` keeps the accepted ones.
+    Returns per session (logits (T, V), states (T, F)) and the forward's seconds per session."""
+    dec = sessions[0].dec
+    t0 = time.perf_counter()
+    outs = dec.target.forward_many([(b.ids, b.positions, s.cache, b.rows) for s, b in zip(sessions, blocks, strict=True)],
+                                   dec.aux_layers)
+    return outs, (time.perf_counter() - t0) / len(sessions)  # the shared forward, split evenly
 
 
 class SpeculativeDecoder:
@@ -274,7 +219,7 @@ class Session:
         return self.stopper.tokens
 
     def step(self, speculate: bool = True) -> None:
-        """One target forward: verify a drafted tree (or decode one token) and commit."""
+        """One round: draft (or not), verify in one target forward, accept."""
         step_many([self], [speculate])
 
     @torch.inference_mode()
@@ -312,8 +257,10 @@ class Session:
                      dlogits, False, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def commit(self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float) -> None:
-        """Accept from the target's `logits` (T, V) / `hid` (T, H) for `block` and commit."""
+    def accept(self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float) -> None:
+        """Walk `block`'s tree against the target's `logits` (T, V) (greedy or lossless
+        sampling), keep the accepted rows of the target cache and `hid` (T, F), and commit the
+        accepted tokens and the bonus."""
         params, dev = self.params, self.dec.target.device
         node_list = block.ids.tolist()
         if block.tree is None:
@@ -340,3 +287,68 @@ class Session:
 
     def result(self) -> GenerationResult:
         return _finish(self.stopper, self.stats, self.t_start)
+
+
+def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
+    """Keys each verified row of `tree` sees after `ctx` cached tokens (the context, then its
+    ancestors and itself), for the target's verify attention (row-exact on CPU, fused on
+    CUDA: `attention.choose`). A chain's rows are causal prefixes; `ancestors`, `counts` =
+    `tree.ancestor_rows` on the target's device."""
+    if tree.is_chain:
+        return [ctx + i + 1 for i in range(tree.num_nodes + 1)]
+    return RowPlan.tree(ctx, ancestors, counts)
+
+
+@torch.inference_mode()
+def autoregressive_generate(target: Target, prompt: list[int], params: SamplingParams) -> GenerationResult:
+    """Target-only decoding with a KV cache: the reference every speedup is measured against."""
+    t_start = time.perf_counter()
+    stats, gen = DecodeStats(), _generator(params, target.device)
+    stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
+    cache, _, tok = _prefill(target, prompt, params, gen, stats)
+    pos = len(prompt)
+    while not stopper.feed([tok]):
+        t0 = time.perf_counter()
+        logits, _ = target.forward(torch.tensor([tok], device=target.device), torch.tensor([pos], device=target.device), cache)
+        tok = _choose(logits[-1], params, gen)
+        pos += 1
+        stats.verify_s += time.perf_counter() - t0
+        stats.record(drafted=0, accepted=0, depth=0)
+    return _finish(stopper, stats, t_start)
+
+
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Next token from (V,) target logits: argmax, or a sample of the processed distribution."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(process_logits(logits, params.temperature, params.top_p), gen)
+
+
+def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, stats: DecodeStats,
+             aux_layers: tuple[int, ...] = ()):
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    t0 = time.perf_counter()
+    ids = torch.tensor(prompt, device=target.device)
+    cache = target.new_cache()
+    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache, aux_layers=aux_layers)
+    first = _choose(logits[-1], params, gen)
+    stats.prefill_s = time.perf_counter() - t0
+    return cache, hidden, first
+
+
+def _finish(stopper: Stopper, stats: DecodeStats, t_start: float) -> GenerationResult:
+    stats.total_s = time.perf_counter() - t_start
+    stats.new_tokens = len(stopper.tokens)
+    return GenerationResult(stopper.tokens, stopper.text, stopper.finish_reason or "length", stats)
