@@ -8,7 +8,7 @@ import sys
 
 from draftlab.bench import render_table, run_bench
 from draftlab.config import BenchConfig
-from draftlab.jobs import job_main
+from draftlab.entrypoint import job_main
 
 if __name__ == "__main__":
     sys.exit(job_main(__doc__, BenchConfig, lambda cfg: render_table(run_bench(cfg))))

@@ -7,8 +7,8 @@
 import sys
 
 from draftlab.config import DistillConfig
-from draftlab.distill.trainer import format_summary, run_distill
-from draftlab.jobs import job_main
+from draftlab.distill.launch import format_summary, run_distill
+from draftlab.entrypoint import job_main
 
 if __name__ == "__main__":
     sys.exit(job_main(__doc__, DistillConfig, lambda cfg: format_summary(run_distill(cfg))))

@@ -6,7 +6,7 @@
 
 import sys
 
-from draftlab.jobs import run_entrypoint
+from draftlab.entrypoint import run_entrypoint
 from draftlab.pipeline.runner import format_summary, run_pipeline
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def _registrations() -> dict[str, set[str]]:
     """Registered drafter model -> the targets registering it, from every training config
     (distill and pipeline files in jobs/configs) and every sweep (its promotion), each loaded
     through its own loader and named by the library's `registered_name`."""
-    from draftlab.distill.trainer import registered_name
+    from draftlab.distill.launch import registered_name
     from draftlab.pipeline.config import load_pipeline
     from draftlab.sweep.space import load_sweep, trial_config
 

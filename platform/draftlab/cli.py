@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _distill(a: argparse.Namespace) -> None:
-    from draftlab.distill.trainer import format_summary, run_distill
+    from draftlab.distill.launch import format_summary, run_distill
 
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     print(format_summary(run_distill(cfg)))

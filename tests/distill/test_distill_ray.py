@@ -21,7 +21,7 @@ from draftlab.config import BenchSpec, DrafterSpec, ScalingSpec, TrainConfig
 from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import load_tree
 from draftlab.decoding.tree_search import best_tree
-from draftlab.distill.trainer import run_distill
+from draftlab.distill.launch import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
 from mlflow_server import MlflowServer
 

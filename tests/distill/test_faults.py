@@ -30,7 +30,7 @@ from draftlab.distill.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from draftlab.distill.trainer import run_distill
+from draftlab.distill.launch import run_distill
 from draftlab.models.drafters.build import init_drafter
 from draftlab.tracking import Tracker, TrackingUnavailable
 from mlflow_server import MlflowServer

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from draftlab.config import TrainConfig
-from draftlab.data.group_mask import build_group_layout
 from draftlab.distill.batching import collate
+from draftlab.distill.group_mask import build_group_layout
 from draftlab.distill.loader import TrainStream, batch_stream, epoch_batches
 from draftlab.distill.objective import (
     DistillModule,

@@ -19,7 +19,7 @@ from safetensors.torch import load as load_safetensors
 from distill_support import tiny_config
 from draftlab.config import ConfigError, TrainConfig
 from draftlab.decoding.tree_files import resolve_tree
-from draftlab.distill.trainer import run_distill
+from draftlab.distill.launch import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
 from draftlab.models.drafters.build import load_drafter
 from draftlab.models.target import load_target

@@ -144,7 +144,7 @@ def test_bench_digest_of_a_cuda_trial_needs_no_gpu(tmp_path):
 def test_multi_gpu_trials_train_on_one_node(tmp_path):
     """A trial of several GPU workers is built STRICT_PACK (one node, whatever the base
     config's placement); CPU and single-GPU trials keep the configured placement."""
-    from draftlab.distill.trainer import build_trainer
+    from draftlab.distill.launch import build_trainer
 
     def built(base: dict, params: dict) -> str:
         ctx = SweepContext(sweep="s", base=base, trees=["chain"], trainings=str(tmp_path), data_path="unused",

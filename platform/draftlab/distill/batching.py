@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftlab.data.group_mask import build_group_layout, group_attend
+from draftlab.distill.group_mask import build_group_layout, group_attend
 
 
 @dataclass

@@ -34,7 +34,7 @@ def data(run: PipelineRun) -> dict:
 
 
 def distill(run: PipelineRun) -> dict:
-    from draftlab.distill.trainer import run_distill
+    from draftlab.distill.launch import run_distill
 
     cfg = run.p.distill
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"parent_run_id": run.parent_id})})
@@ -81,7 +81,7 @@ def candidates(run: PipelineRun) -> list[dict]:
 
 
 def promote(run: PipelineRun) -> dict:
-    from draftlab.distill.trainer import registered_name
+    from draftlab.distill.launch import registered_name
     from draftlab.tracking import promote as promote_run
 
     best = max(candidates(run), key=lambda c: c["speedup_vs_ar"] or 0.0)

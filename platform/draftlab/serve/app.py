@@ -35,7 +35,7 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from draftlab.config import ServeArgs
-from draftlab.serve.engine import DraftEngine
+from draftlab.serve.deployment import DraftEngine
 from draftlab.serve.protocol import (
     APIError,
     ChatRequest,

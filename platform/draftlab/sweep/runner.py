@@ -244,7 +244,7 @@ def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: 
                                 "sweep_wall_s": summary["wall_s"]}, 0)
         parent.set_tags({"draftlab.best_run_id": best["mlflow_run_id"]})
         if sweep.promote:
-            from draftlab.distill.trainer import registered_name
+            from draftlab.distill.launch import registered_name
             from draftlab.tracking import promote
 
             summary["champion"] = promote(best["mlflow_run_id"], registered_name(cfg), tracking_uri=uri)

@@ -202,7 +202,7 @@ def ensure_trained(p: Plan, ctx: SweepContext, run_id: str | None, trial_id: str
         return {"stopped": json.loads(stopped.read_text())}
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from draftlab.distill.trainer import build_trainer
+    from draftlab.distill.launch import build_trainer
 
     p.dir.mkdir(parents=True, exist_ok=True)
     with (p.dir / "fits.jsonl").open("a") as f:

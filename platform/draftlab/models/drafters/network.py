@@ -11,7 +11,8 @@ last hidden state (after the final norm, what the target's head reads). Families
 aux layers read the last H columns.
 
 A family (one file each, see the registry) decides how it fuses inputs (`fuse`,
-`mask_input`, `build_extra`) and how one drafting round uses the network:
+`build_extra`; the parallel families add `mask_input` and `embed_nodes`' slot inputs) and how
+one drafting round uses the network:
 `propose(state, tokens, features, k, pick) -> (draft_tokens (k,), logits (k, V))`.
 """
 
@@ -147,10 +148,6 @@ class DrafterNet(nn.Module):
         x = torch.cat([emb, last.to(emb.dtype)], dim=-1)  # (..., 2H) in the target's dtype
         return self.fc(x.to(self.fc.weight.dtype))  # (..., H); float32 master weights in training
 
-    def mask_input(self, j: torch.Tensor) -> torch.Tensor:
-        """(...,) mask numbers (0 = the first parallel slot) -> (..., D) decoder inputs."""
-        raise NotImplementedError(f"drafter family {self.family!r} drafts no parallel slots")
-
     def forward(
         self,
         x: torch.Tensor,  # (B, T, H) fused inputs
@@ -225,13 +222,10 @@ class DrafterNet(nn.Module):
         """Decoder inputs for packed training nodes.
 
         tokens, mask_idx: (B, M); features: (B, M, F) target states for real nodes.
-        mask_idx[b, m] = j >= 0 selects parallel slot j's input; -1 = a real (token, state) node.
+        mask_idx[b, m] = j >= 0 selects parallel slot j's input (families that train groups
+        override this); -1 = a real (token, state) node, the only kind a one-group family has.
         """
-        x = self.fuse(tokens, features)  # (B, M, D)
-        if not self.trains_groups or not bool((mask_idx >= 0).any()):
-            return x
-        m = self.mask_input(mask_idx.clamp(min=0)).to(x.dtype)  # (B, M, D)
-        return torch.where((mask_idx >= 0)[..., None], m, x)  # (B, M, D)
+        return self.fuse(tokens, features)  # (B, M, D)
 
     def step(self, state: DraftState, x: torch.Tensor) -> torch.Tensor:
         """Append (n, D) inputs at the next positions of `state`; return (n, H) outputs.

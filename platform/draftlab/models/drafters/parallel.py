@@ -25,7 +25,17 @@ class ParallelDrafter(DrafterNet):
         self.mask_embeddings = nn.Parameter(torch.randn(cfg.k - 1, cfg.decoder["hidden_size"]) * 0.02)
 
     def mask_input(self, j: torch.Tensor) -> torch.Tensor:
+        """(...,) slot numbers (0 = the first parallel slot) -> (..., D) decoder inputs."""
         return self.mask_embeddings[j]  # (..., H)
+
+    def embed_nodes(self, tokens: torch.Tensor, features: torch.Tensor, mask_idx: torch.Tensor) -> torch.Tensor:
+        """Training's packed groups (`distill/group_mask.py`): real nodes fused as in the base
+        network, mask nodes (mask_idx (B, M) >= 0) given their slot's input."""
+        x = super().embed_nodes(tokens, features, mask_idx)  # (B, M, D)
+        if not bool((mask_idx >= 0).any()):
+            return x
+        m = self.mask_input(mask_idx.clamp(min=0)).to(x.dtype)  # (B, M, D)
+        return torch.where((mask_idx >= 0)[..., None], m, x)  # (B, M, D)
 
     def check_k(self, k: int) -> None:
         super().check_k(k)

@@ -1,4 +1,4 @@
-"""Tests for draftlab.data.group_mask (ParallelSpec group attention mask)."""
+"""Tests for draftlab.distill.group_mask (ParallelSpec group attention mask)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from draftlab.data.group_mask import GroupLayout, build_group_layout
+from draftlab.distill.group_mask import GroupLayout, build_group_layout
 
 
 def brute_force_attend(layout: GroupLayout) -> torch.Tensor:
