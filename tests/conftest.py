@@ -2,9 +2,56 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+import torch
 
 from draftlab.models.target import load_target
+from mlflow_server import MlflowServer
+
+
+def _services() -> tuple[bool, int]:
+    """(Ray is up in this process, MLflow servers started so far)."""
+    ray = sys.modules.get("ray")
+    return (ray is not None and ray.is_initialized()), MlflowServer.starts
+
+
+def _only_slow_tests_start_services(item: pytest.Item, before: tuple[bool, int]) -> None:
+    """The fast tier (`-m "not slow"`) starts no Ray and no MLflow server: a test whose
+    fixtures or body start one must be marked slow."""
+    if item.get_closest_marker("slow") is not None:
+        return
+    (ray_before, mlflow_before), (ray_after, mlflow_after) = before, _services()
+    started = [what for what, new in (("Ray", ray_after and not ray_before), ("an MLflow server", mlflow_after > mlflow_before))
+               if new]
+    if started:
+        pytest.fail(f"{item.nodeid} starts {' and '.join(started)}: mark it @pytest.mark.slow", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    before = _services()
+    result = yield
+    _only_slow_tests_start_services(item, before)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    before = _services()
+    result = yield
+    _only_slow_tests_start_services(item, before)
+    return result
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads_unchanged():
+    """A module that changes torch's process-wide thread count must put it back: otherwise
+    every later module runs (and is timed) on its setting."""
+    threads = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == threads, f"this module left torch at {torch.get_num_threads()} threads (was {threads})"
 
 
 @pytest.fixture(scope="session")

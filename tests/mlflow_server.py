@@ -53,6 +53,8 @@ def free_ports(n: int) -> list[int]:
 class MlflowServer:
     """One `mlflow server` process; `stop()`/`start()` keep the port, database and artifacts."""
 
+    starts = 0  # processes started in this test session (conftest: only slow tests start one)
+
     def __init__(self, root: str | os.PathLike | None = None, port: int | None = None,
                  workers: int = 1, startup_timeout: float = STARTUP_TIMEOUT_S,
                  extra_env: dict[str, str] | None = None):
@@ -102,6 +104,7 @@ class MlflowServer:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                 cwd=self.root, start_new_session=True,
             )
+            MlflowServer.starts += 1
         finally:
             log.close()
         self._wait_healthy()

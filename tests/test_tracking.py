@@ -169,6 +169,7 @@ def test_default_backend_is_sqlite_under_draftlab(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- real server
 
 
+@pytest.mark.slow
 def test_params_flattened_and_redacted(mlflow_server):
     t = Tracker(mlflow_server.url, EXP)
     run_id = t.start_or_resume(_name("params"), {"draftlab.job": "distill"})
@@ -181,6 +182,7 @@ def test_params_flattened_and_redacted(mlflow_server):
     t.end()
 
 
+@pytest.mark.slow
 def test_metrics_appear_only_after_flush(mlflow_server):
     client = MlflowClient(mlflow_server.url)
     t = Tracker(mlflow_server.url, EXP)
@@ -205,6 +207,7 @@ def test_metrics_appear_only_after_flush(mlflow_server):
     t.end()
 
 
+@pytest.mark.slow
 def test_resume_by_run_name_continues_the_same_run(mlflow_server):
     client = MlflowClient(mlflow_server.url)
     name = _name("resume")
@@ -235,6 +238,7 @@ def test_resume_by_run_name_continues_the_same_run(mlflow_server):
     fresh.end("KILLED")
 
 
+@pytest.mark.slow
 def test_artifacts_go_through_the_server(mlflow_server, tmp_path):
     client = MlflowClient(mlflow_server.url)
     t = Tracker(mlflow_server.url, EXP)
@@ -258,6 +262,7 @@ def test_artifacts_go_through_the_server(mlflow_server, tmp_path):
     t.end()
 
 
+@pytest.mark.slow
 def test_register_model_versions(mlflow_server, tmp_path):
     client = MlflowClient(mlflow_server.url)
     name = _name("draftlab-drafter")
@@ -287,6 +292,7 @@ def _distill_like_run(url: str, tmp_path: Path, target: str, tau: float, with_dr
     return run_id
 
 
+@pytest.mark.slow
 def test_promote_moves_the_champion_and_keeps_the_previous_version(mlflow_server, tmp_path, capsys):
     from draftlab.cli import main
 
@@ -306,6 +312,7 @@ def test_promote_moves_the_champion_and_keeps_the_previous_version(mlflow_server
     assert promote(first, tracking_uri=mlflow_server.url)["version"] == "1"  # re-promotion reuses its version
 
 
+@pytest.mark.slow
 def test_promote_bad_runs_are_clear_errors(mlflow_server, tmp_path, capsys):
     from draftlab.cli import main
 
@@ -316,6 +323,7 @@ def test_promote_bad_runs_are_clear_errors(mlflow_server, tmp_path, capsys):
         promote(bare, tracking_uri=mlflow_server.url)
 
 
+@pytest.mark.slow
 def test_list_runs_and_table(mlflow_server):
     t = Tracker(mlflow_server.url, EXP)
     name = _name("listed")
@@ -341,6 +349,7 @@ def test_list_runs_and_table(mlflow_server):
     assert name in table and run_id[:12] in table and "3.25" in table and "tau" in table
 
 
+@pytest.mark.slow
 def test_flush_survives_a_server_outage(mlflow_server):
     """Runs last: stops the module's server. Nothing buffered is lost, nothing duplicated."""
     client = MlflowClient(mlflow_server.url)
@@ -372,6 +381,7 @@ def test_flush_survives_a_server_outage(mlflow_server):
     t.end()
 
 
+@pytest.mark.slow
 def test_resume_after_drops_already_logged_steps(mlflow_server):
     server_url = mlflow_server.url
     """A crash between flush and checkpoint commit: the re-run steps are not logged twice."""

@@ -241,6 +241,7 @@ def test_magpie_returns_what_it_has_when_rounds_run_out(tiny, caplog):
 # --- self-distillation data ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generated_columns_and_shapes(generated, tiny):
     assert set(generated) == {"train", "eval"}
     assert (generated["train"].num_rows, generated["eval"].num_rows) == (9, 3)
@@ -255,6 +256,7 @@ def test_generated_columns_and_shapes(generated, tiny):
         assert np.asarray(row["hidden"]).shape == (len(row["input_ids"]), tiny.hidden_size)
 
 
+@pytest.mark.slow
 def test_responses_are_greedy_target_decoding(generated, tiny):
     """Every response token is the target's argmax given the text before it. Batched,
     left-padded HF `generate` and one-sequence decoding round differently, and this bf16
@@ -272,6 +274,7 @@ def test_responses_are_greedy_target_decoding(generated, tiny):
     assert same >= len(samples(generated)) * 3 // 4
 
 
+@pytest.mark.slow
 def test_hidden_matches_target_forward(generated, tiny):
     for row in samples(generated)[:4]:
         ids = torch.tensor(row["input_ids"])
@@ -279,6 +282,7 @@ def test_hidden_matches_target_forward(generated, tiny):
         torch.testing.assert_close(torch.tensor(np.asarray(row["hidden"]), dtype=torch.float32), hidden.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_split_is_deterministic_and_disjoint(generated):
     train, ev = set(generated["train"]["prompt"]), set(generated["eval"]["prompt"])
     assert not train & ev and train | ev == set(PROMPTS)
@@ -286,6 +290,7 @@ def test_split_is_deterministic_and_disjoint(generated):
     assert selfdistill._split(generated["train"].select([0]), 0.5, seed=0)["eval"].num_rows == 0
 
 
+@pytest.mark.slow
 def test_cache_is_reused_without_generation(generated, data_cfg, tiny, monkeypatch, caplog):
     root = cache_path(data_cfg, tiny.fingerprint)
     meta = root / "dataset" / "meta.json"
@@ -337,6 +342,7 @@ def test_a_missing_vllm_writer_is_a_config_error_before_any_work(data_cfg, tmp_p
     assert not (cache_path(data, "x").parent / "prompts").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny, tmp_path):
     copy = tmp_path / "prompts.jsonl"
     shutil.copy(data_cfg.source.path, copy)
@@ -352,6 +358,7 @@ def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny
     assert dataset_key(data, tiny.fingerprint) != old_key
 
 
+@pytest.mark.slow
 def test_prompts_are_cached_apart_from_generation_settings(ray_local, data_cfg, tiny, tmp_path, monkeypatch):
     from draftlab.data import sources
 
@@ -374,6 +381,7 @@ def test_prompts_are_cached_apart_from_generation_settings(ray_local, data_cfg, 
     assert prompts_cache_file(data.model_copy(update={"source": other_source}), tiny.fingerprint) != cached
 
 
+@pytest.mark.slow
 def test_a_larger_data_set_reuses_the_smaller_ones_shards(ray_local, generated, data_cfg, tiny, tmp_path, monkeypatch,
                                                           caplog):
     def sized(n):
@@ -427,6 +435,7 @@ def test_sampled_responses_are_reused_only_from_shards_of_the_same_size(data_cfg
     assert cache._best_donor(root, greedy, "fp", shard_size=4) is None  # other key inputs
 
 
+@pytest.mark.slow
 def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_path, caplog):
     # A copy of the finished key dir, as a job killed after shards 0 and 2 would leave it.
     data = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})

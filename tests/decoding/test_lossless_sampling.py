@@ -71,10 +71,12 @@ def _tree(name: str) -> Tree:
 
 @pytest.fixture(scope="module")
 def target():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only add overhead
     t = load_target("tiny-llama-v8")
     assert t.vocab_size == V and not t.eos_token_ids  # no EOS: every sample has 3 tokens
-    return t
+    yield t
+    torch.set_num_threads(threads)  # the rest of the suite runs as it would alone
 
 
 @torch.inference_mode()

@@ -306,6 +306,7 @@ def mlflow_server(tmp_module):
 DEAD = "http://127.0.0.1:9"  # nothing listens on the discard port: an MLflow that is down
 
 
+@pytest.mark.slow
 def test_tracker_outage_bookkeeping_never_blocks_and_never_duplicates(mlflow_server):
     """The Tracker side of a restart during an outage, without waiting for a real one: a
     worker resumes from the checkpoint of step 8 while MLflow (which already has steps up to
