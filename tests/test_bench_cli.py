@@ -200,6 +200,7 @@ def test_bad_prompt_file_names_line(tmp_path, capsys):
     assert f"{f}:1: messages[0] must be" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # times every row count and context
 def test_profile_json(tmp_path):
     out = tmp_path / "profile.json"
     # Through the installed console script, as a user runs it.

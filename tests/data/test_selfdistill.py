@@ -210,7 +210,7 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(tiny):
     assert load_prompts_from_source(cfg.model_copy(update={"seed": 4}), tiny, progress=False) != got
 
 
-@pytest.mark.parametrize("kind", ["magpie", "dataset"])
+@pytest.mark.parametrize("kind", [pytest.param("magpie", marks=pytest.mark.slow), "dataset"])
 def test_a_longer_prompt_list_resumes_the_stream_where_a_shorter_one_stopped(tiny, data_cfg, kind):
     if kind == "magpie":  # 3 turns a round: 5 prompts end inside a round, which is written again
         cfg = PromptSourceConfig(kind="magpie", num_prompts=9, min_chars=4, max_prompt_tokens=16, seed=5)

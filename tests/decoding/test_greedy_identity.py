@@ -15,8 +15,16 @@ TREES = [Tree.chain(1), Tree.chain(4), load_tree("small-6"), load_tree("default"
 GREEDY = SamplingParams(max_new_tokens=40)
 
 
-@pytest.mark.parametrize("family", ["p-eagle", "parallel", "autoregressive"])
-@pytest.mark.parametrize("tree", TREES, ids=lambda t: t.name)
+# The fast tier (-m "not slow") runs every tree once and every family twice; the rest of the
+# family x tree matrix runs in the full suite.
+FAST = {("p-eagle", "default"), ("p-eagle", "wide-16@6"), ("parallel", "chain-4"), ("parallel", "wide-16"),
+        ("autoregressive", "chain-1"), ("autoregressive", "small-6")}
+MATRIX = [pytest.param(family, tree, id=f"{tree.name}-{family}",
+                       marks=() if (family, tree.name) in FAST else pytest.mark.slow)
+          for family in ("p-eagle", "parallel", "autoregressive") for tree in TREES]
+
+
+@pytest.mark.parametrize("family,tree", MATRIX)
 def test_untrained_drafter_identity(tiny, tiny_prompts, family, tree):
     drafter = init_drafter(family, tiny, k=4, depth=2, seed=1)
     dec = SpeculativeDecoder(tiny, drafter, tree)
@@ -33,8 +41,8 @@ def test_untrained_drafter_identity(tiny, tiny_prompts, family, tree):
     [
         (Tree.chain(4), None, 4.0),
         (load_tree("default"), [1, 0, 0, 0], 2.5),  # accepted path [1, 0]: gathered KV rows
-        (load_tree("wide-16"), [0, 1, 0, 0], 3.5),  # accepted path [0, 1, 0]
-        (load_tree("default"), [0, 0, 1, 0], 3.5),  # accepted path [0, 0, 1]
+        pytest.param(load_tree("wide-16"), [0, 1, 0, 0], 3.5, marks=pytest.mark.slow),  # accepted path [0, 1, 0]
+        pytest.param(load_tree("default"), [0, 0, 1, 0], 3.5, marks=pytest.mark.slow),  # accepted path [0, 0, 1]
         (PER_ROUND, [0, 1, 0, 0], 3.5),  # the oracle's confidence puts [0, 1, 0] in 6 of 16 nodes
     ],
     ids=["chain", "rank1-first", "rank1-second", "rank1-third", "per-round"],
@@ -94,7 +102,8 @@ def test_stop_string(tiny, tiny_prompts):
     assert out.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default")], ids=lambda t: t.name)
+@pytest.mark.parametrize("tree", [pytest.param(Tree.chain(4), marks=pytest.mark.slow), load_tree("default")],
+                         ids=lambda t: t.name)
 def test_interleaved_sessions_with_plain_steps(tiny, tiny_prompts, tree):
     """A server's view: every prompt's session advanced round-robin, speculating on some
     rounds and decoding plainly on others; each output still equals target-only decoding."""
@@ -111,7 +120,8 @@ def test_interleaved_sessions_with_plain_steps(tiny, tiny_prompts, tree):
         assert 0 < s.stats.rounds  # plain steps count as rounds that drafted nothing
 
 
-@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default")], ids=lambda t: t.name)
+@pytest.mark.parametrize("tree", [pytest.param(Tree.chain(4), marks=pytest.mark.slow), load_tree("default")],
+                         ids=lambda t: t.name)
 def test_batched_rounds_equal_target_only(tiny, tiny_prompts, tree):
     """`step_many`: several sessions verified in one target forward (rows of different
     lengths and trees side by side, some rounds plain) still give target-only output."""

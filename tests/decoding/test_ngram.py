@@ -78,7 +78,7 @@ class TruthLookup:
         return span[: self.right] + [(t + 1) % self.vocab for t in span[self.right :]]
 
 
-@pytest.mark.parametrize("right", [6, 2])
+@pytest.mark.parametrize("right", [6, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tree", [Tree.chain(3), load_tree("default")], ids=lambda t: t.name)
 def test_greedy_identity_when_grafted_drafts_are_accepted(tiny, tiny_prompts, tree, right):
     """Every drafter draft is wrong (`wrong_after=0`), so all acceptance comes from the
@@ -97,8 +97,10 @@ def test_greedy_identity_when_grafted_drafts_are_accepted(tiny, tiny_prompts, tr
             assert out.stats.tau >= (5.0 if right == 6 else 2.5)
 
 
-@pytest.mark.parametrize("family", ["p-eagle", "parallel"])
-@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("small-6")], ids=lambda t: t.name)
+@pytest.mark.parametrize("family,tree", [  # the fast tier runs the diagonal
+    ("p-eagle", load_tree("small-6")), ("parallel", Tree.chain(4)),
+    pytest.param("p-eagle", Tree.chain(4), marks=pytest.mark.slow),
+    pytest.param("parallel", load_tree("small-6"), marks=pytest.mark.slow)], ids=lambda v: getattr(v, "name", v))
 def test_untrained_drafter_with_real_lookups_identity(tiny, tiny_prompts, family, tree):
     spec = NgramSpec(tokens=4, min_match=1, max_match=2)
     dec = SpeculativeDecoder(tiny, init_drafter(family, tiny, k=4, depth=1, seed=2), tree.with_ngram(spec))

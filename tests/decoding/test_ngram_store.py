@@ -43,7 +43,8 @@ def test_the_text_comes_first_then_the_store_capped_at_store_tokens():
     assert off.propose() == []
 
 
-@pytest.mark.parametrize("tree", [Tree.chain(1), Tree.from_paths([[0], [1], [0, 0]])], ids=lambda t: t.name)
+@pytest.mark.parametrize("tree", [pytest.param(Tree.chain(1), marks=pytest.mark.slow), Tree.from_paths([[0], [1], [0, 0]])],
+                         ids=lambda t: t.name)
 def test_store_drafts_keep_greedy_identity_and_get_accepted(tiny, tiny_prompts, tree):
     """A store of the target's own answers proposes right drafts: accepted rows, same text."""
     refs = [autoregressive_generate(tiny, ids, GREEDY).tokens for ids in tiny_prompts]

@@ -48,7 +48,8 @@ def _autograd_reference(drafter, out, teacher, label, cfg, n_total):
     return loss.detach(), kl.detach(), agree, grad
 
 
-@pytest.mark.parametrize("compile_loss", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile_loss", [False, pytest.param(True, marks=pytest.mark.slow)],  # torch.compile: ~40 s
+                         ids=["eager", "compiled"])
 @pytest.mark.parametrize("weights", [(1.0, 0.0), (0.7, 0.5)], ids=["kl", "kl+ce"])
 def test_closed_form_loss_and_gradient_equal_autograd(tiny, compile_loss, weights):
     """`node_losses` writes the gradient through the frozen head in closed form (and may

@@ -168,6 +168,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # kills a real kernel build
 def test_a_process_killed_while_loading_the_kernel_blocks_no_later_one(tmp_path):
     """Ray workers are killed at any point (node faults, tests), also inside the kernel's
     load or build. What they leave (torch's build lock file, which outlives its process; a
