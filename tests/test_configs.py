@@ -30,7 +30,7 @@ def test_job_config_validates_and_documents_its_command(path):
         script = text.split("python ", 1)[1].split()[0]
         assert (ROOT / script).is_file(), f"{path.name} runs {script}, which does not exist"
     if path.name.startswith("pipeline-") and "\ndistill:" in text:
-        from draftlab.pipeline.config import load_pipeline
+        from draftlab.pipeline.compose import load_pipeline
 
         load_pipeline(path)
     else:
@@ -134,7 +134,7 @@ def _registrations() -> dict[str, set[str]]:
     (distill and pipeline files in jobs/configs) and every sweep (its promotion), each loaded
     through its own loader and named by the library's `registered_name`."""
     from draftlab.distill.launch import registered_name
-    from draftlab.pipeline.config import load_pipeline
+    from draftlab.pipeline.compose import load_pipeline
     from draftlab.sweep.space import load_sweep, trial_config
 
     trained: list[DistillConfig] = []
@@ -194,7 +194,7 @@ def test_catalogue_serves_what_it_trains(tmp_path):
             problems.append(f"{where}: target {args.target.name!r}, but {name} is trained for {trained_for!r}")
     assert not problems, "\n".join(problems)
     # the pipelines' endpoints serve the target they distil
-    from draftlab.pipeline.config import load_pipeline
+    from draftlab.pipeline.compose import load_pipeline
 
     for path in JOB_CONFIGS:
         if path.name.startswith("pipeline-") and "\ndistill:" in path.read_text():

@@ -1,16 +1,18 @@
 """Sweep definitions: strict validation against the base config, Tune spaces, training keys."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 from ray import tune
 
-from draftlab.config import ConfigError
+from draftlab.config import ConfigError, read_mapping
 from draftlab.sweep.space import (
     load_sweep,
     max_concurrency,
     param_space,
+    sweep_base,
     training_key,
     trial_config,
 )
@@ -74,6 +76,19 @@ def test_tune_space_grid_and_random(tmp_path):
     rnd, _ = load_sweep(_write(tmp_path, space={"train.lr": {"loguniform": [1e-4, 1e-2]}}, search={"algorithm": "random", "num_samples": 4}))
     lr = param_space(rnd)["train.lr"]
     assert isinstance(lr, tune.search.sample.Float) and lr.lower == 1e-4 and lr.upper == 1e-2
+
+
+def test_the_base_is_composed_from_the_document_read_once(tmp_path):
+    """`sweep_base` (what `draftlab sweep` and a pipeline's sweep compose through) takes the
+    base file's mapping and leaves it as it was: a pipeline reads its distill file once."""
+    path = _write(tmp_path, overrides={"train.lr": 0.01}, space={"drafter.k": [2, 4]})
+    sweep, base = load_sweep(path)
+    doc = read_mapping(sweep.base)
+    before = yaml.safe_load(yaml.safe_dump(doc))
+    assert sweep_base(sweep, doc, Path(sweep.base), str(path)) == base and doc == before
+    assert base["train"]["lr"] == 0.01 != doc["train"].get("lr")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: space.drafter.k=0 (base {sweep.base}):")):
+        sweep_base(sweep.model_copy(update={"space": {"drafter.k": [0]}}), doc, Path(sweep.base), str(path))
 
 
 def test_training_key_ignores_tree_bench_and_names(tmp_path):

@@ -2,29 +2,20 @@
 
 A pipeline file names a DistillConfig YAML (the data, the target and the baseline drafter),
 dotted overrides shared by the baseline and every sweep trial, the sweep's search space and
-trees, the champion-vs-baselines comparison, a Serve config file and a smoke request.
-`load_pipeline` validates all of it up front, so a bad field names the file and the field
-before anything runs.
+trees, the champion-vs-baselines comparison, a Serve config file and a smoke request. These
+are its models; `pipeline/compose.py` resolves a file into the configs the stages run with,
+validating all of it up front, so a bad field names the file and the field before anything
+runs.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from draftlab.config import (
-    ConfigError,
-    DistillConfig,
-    ServeArgs,
-    StrictModel,
-    apply_dotted,
-    format_validation_error,
-    load_yaml,
-    read_mapping,
-)
-from draftlab.sweep.space import AshaSpec, SearchSpec, SweepConfig, sweep_base, trial_config
+from draftlab.config import StrictModel
+from draftlab.sweep.space import AshaSpec, SearchSpec
 
 
 class SweepStage(StrictModel):
@@ -106,74 +97,3 @@ class PipelineConfig(StrictModel):
     """MLflow experiment of the parent run and of the distillation and sweep runs under it."""
     state_dir: str = ".draftlab/pipelines"
     """Stage records, bench/profile reports, summary and report land in `<state_dir>/<name>/`."""
-
-
-def dotted(d: dict, prefix: str = "") -> dict:
-    """Nested mappings as dotted keys: `{"train": {"lr": 1}}` -> `{"train.lr": 1}`, so a
-    nested override (from YAML, or `overrides.train.lr=1` on the command line) sets one
-    field instead of replacing its whole section."""
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict) and value:
-            out |= dotted(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _find(ref: str, pipeline_file: Path, what: str) -> Path:
-    for candidate in (pipeline_file.parent / ref, Path(ref)):
-        if candidate.is_file():
-            return candidate.resolve()
-    raise ConfigError(f"{pipeline_file}: {what}: file not found: {ref}")
-
-
-class Pipeline:
-    """A validated pipeline: the config, the baseline DistillConfig, the sweep (if any)
-    with its base, and the Serve spec."""
-
-    def __init__(self, cfg: PipelineConfig, source: Path):
-        self.cfg, self.source = cfg, source
-        self.distill_file = _find(cfg.distill, source, "distill")
-        base = apply_dotted(read_mapping(self.distill_file), dotted(cfg.overrides))
-        self.base = base | {"tracking": {**base.get("tracking", {}), "experiment": cfg.experiment}}
-        self.distill: DistillConfig = trial_config(self.base, {}, name=f"{cfg.name}-baseline",
-                                                   where=f"{source}: overrides (distill {self.distill_file})")
-        self.sweep: SweepConfig | None = None
-        if cfg.sweep is not None:
-            try:
-                self.sweep = SweepConfig(name=cfg.name, base=str(self.distill_file), experiment=cfg.experiment,
-                                         promote=False, **cfg.sweep.model_dump(exclude={"overrides"}),
-                                         overrides=dotted(cfg.overrides) | dotted(cfg.sweep.overrides))
-            except ValidationError as e:
-                raise ConfigError(format_validation_error(e, f"{source}: sweep", SweepConfig)) from None
-        self.serve_file = _find(cfg.serve.config, source, "serve.config")
-
-    def sweep_base(self, parent_run_id: str | None) -> dict:
-        """The sweep's base DistillConfig dict, its runs nested under `parent_run_id`."""
-        base = sweep_base(self.sweep, self.distill_file, f"{self.source}: sweep")
-        base["tracking"] = {**base.get("tracking", {}), "experiment": self.cfg.experiment, "parent_run_id": parent_run_id}
-        return base
-
-    def serve_spec(self, model_uri: str, tracking_uri: str) -> dict:
-        """`load_serve_config` of the Serve file with the champion and the overrides."""
-        from draftlab.serve.control import load_serve_config
-
-        spec = load_serve_config(self.serve_file)
-        data = apply_dotted(spec["args"].model_dump(exclude_unset=True),
-                            {"model_uri": model_uri, "tracking_uri": tracking_uri} | dotted(self.cfg.serve.overrides))
-        try:
-            spec["args"] = ServeArgs.model_validate(data)
-        except ValidationError as e:
-            raise ConfigError(format_validation_error(e, f"{self.source}: serve.overrides", ServeArgs)) from None
-        return spec | {k: v for k, v in {"host": self.cfg.serve.host, "port": self.cfg.serve.port}.items() if v is not None}
-
-
-def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
-    """Validate the pipeline file and everything it names (errors name file and field)."""
-    path = Path(path)
-    pipeline = Pipeline(load_yaml(PipelineConfig, path, overrides), path)
-    if pipeline.sweep is not None:
-        pipeline.sweep_base(None)  # checks every point of the space against the base
-    pipeline.serve_spec("models:/check@champion", "sqlite:///check.db")  # checks the overrides
-    return pipeline

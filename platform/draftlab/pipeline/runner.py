@@ -35,7 +35,7 @@ import torch
 
 from draftlab.config import TargetSpec
 from draftlab.pipeline import stages
-from draftlab.pipeline.config import Pipeline, load_pipeline
+from draftlab.pipeline.compose import Pipeline, load_pipeline
 from draftlab.storage import exists
 
 

@@ -8,6 +8,7 @@ so a trained drafter is looked up by it and reused.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -159,13 +160,16 @@ def load_sweep(path: str | Path, overrides: dict | None = None) -> tuple[SweepCo
     against the base, so a bad field or value names the sweep file and the field."""
     path = Path(path)
     sweep = load_yaml(SweepConfig, path, overrides)
-    return sweep, sweep_base(sweep, _resolve(sweep.base, path), str(path))
+    base_file = _resolve(sweep.base, path)
+    return sweep, sweep_base(sweep, read_mapping(base_file), base_file, str(path))
 
 
-def sweep_base(sweep: SweepConfig, base_file: Path, where: str) -> dict:
-    """`base_file` with the sweep's overrides, after checking every point of the space
-    against it (errors start with `where`, the sweep's source)."""
-    base = apply_dotted(read_mapping(base_file), sweep.overrides)
+def sweep_base(sweep: SweepConfig, base_doc: dict, base_file: Path, where: str) -> dict:
+    """`base_doc` (the mapping read from `base_file`, left unchanged) with the sweep's
+    overrides, after checking every point of the space against it (errors start with
+    `where`, the sweep's source, and name `base_file`). `draftlab sweep` and a pipeline's
+    sweep stage (`pipeline/compose.py`) compose their trials' base through this."""
+    base = apply_dotted(copy.deepcopy(base_doc), sweep.overrides)
     trial_config(base, {}, where=f"{where}: overrides (base {base_file})")
     if sweep.search.algorithm == "grid":
         ranged = [k for k, d in sweep.space.items() if isinstance(d, dict)]

@@ -1,0 +1,124 @@
+"""`draftlab bench` (`BenchConfig`, with its vLLM engines' `VllmBenchSpec`) and
+`draftlab profile` (`ProfileConfig`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from draftlab.config.base import StrictModel
+from draftlab.config.decoding import NgramSpec
+from draftlab.config.target import TargetSpec
+
+
+class VllmBenchSpec(StrictModel):
+    """The vLLM engines of `draftlab bench`'s `vllm_*` methods (one engine per method)."""
+
+    memory_fraction: float = Field(0.3, gt=0.0, le=0.95)
+    """vLLM's `gpu_memory_utilization`; on the CPU backend the fraction of the NUMA node's RAM
+    reserved for weights + KV cache (start-up fails when less is free). 0.2 of a 10 GiB node
+    left SmolLM2-135M in float32 (CPUs without bf16 support) with its drafter 0.04 GiB of KV
+    cache where 2048 tokens need 0.09 GiB, and vLLM refused to start."""
+    enforce_eager: bool = True
+    """Skip vLLM's torch.compile warm-up. Measured for SmolLM2-135M on 2 CPU cores: start-up
+    ~15-40 s eager vs ~60-90 s compiled (vLLM 0.29's compile cache fails to reload with torch
+    2.13, so every start compiles), decoding ~12% slower (24.5 vs 28 tok/s). Compiled, the
+    long config's drafter gained no more than eager: `vllm_draftlab` and `vllm_ngram` both
+    1.19x `vllm_ar` (30.1 tok/s; eager runs that hour: 1.21-1.23x at 23-24 tok/s)."""
+    max_model_len: int = Field(2048, ge=16)
+    """Longest prompt + completion an engine accepts (sizes its KV cache)."""
+    ngram_min: int = Field(2, ge=1)
+    """`vllm_ngram`: shortest prompt n-gram matched (`prompt_lookup_min`)."""
+    ngram_max: int = Field(4, ge=1)
+    """`vllm_ngram`: longest prompt n-gram matched (`prompt_lookup_max`)."""
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> VllmBenchSpec:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+
+class BenchConfig(StrictModel):
+    """`draftlab bench`: side-by-side speed of target-only and speculative decoding."""
+
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    """The target model."""
+    drafter: str | None = "init:parallel"
+    """A saved drafter directory, `init:<family>` for an untrained drafter, or None to skip
+    the speculative methods."""
+    prompts: str | None = None
+    """JSONL prompt file (`{"prompt": ...}`, chat `{"messages": [...]}` or Spec-Bench
+    `{"turns": [...]}`) or a packaged set (`default`, `heldout`: long summaries and RAG
+    contexts, translation, math, QA, multi-turn chat); None = `default`."""
+    limit: int | None = Field(None, ge=1)
+    """Use only the first N prompts."""
+    max_new_tokens: int = Field(128, ge=1, le=32768)
+    """New tokens per prompt."""
+    k: int | None = Field(None, ge=1, le=64)
+    """Draft length for the chain method and `vllm_draftlab` (<= the drafter's trained K for
+    `parallel`); None = the drafter's K (4 for an `init:` drafter), and for `vllm_draftlab` the
+    depth of the saved drafter's `tree.json` (at most K). Also `vllm_ngram`'s
+    `num_speculative_tokens` (None = 4)."""
+    depth: int = Field(1, ge=1, le=32)
+    """Decoder layers of an `init:` drafter (a saved drafter keeps its own)."""
+    tree: str | None = None
+    """Tree for `draftlab_tree`: a preset name, `chain-<k>`, `searched-<n>` (the saved
+    drafter's best n-node tree under its `tree-search.json` acceptance), or a JSON file of
+    rank paths; None = the drafter directory's `tree.json` (written by `draftlab distill`),
+    else `default`. `@n` after it verifies n of its nodes per round (the drafter's likeliest),
+    `+ngram` grafts prompt lookups. Resolved as serving resolves it
+    (`decoding/tree_files.py`): cut to a saved drafter's K; an `init:` drafter is built deep
+    enough for it."""
+    trees: list[str] = Field(default_factory=list)
+    """More trees (the same forms as `tree`), benched side by side with the methods, one
+    `draftlab_tree:<spec>` method each."""
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    """0 = greedy (the only mode in which `greedy_identical` is checked)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus mass when sampling."""
+    seed: int = 0
+    """Seed for sampling and for `init:` drafter weights."""
+    warmup: int = Field(1, ge=0)
+    """Untimed prompts run per method before timing."""
+    methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree",
+                          "draftlab_chain_ngram", "draftlab_tree_ngram",
+                          "vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"]] = Field(
+        default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
+    )
+    """Which methods to run; `ar` is always run because every speedup is relative to it, and
+    `vllm_ar` whenever another `vllm_*` method is (vLLM target-only, for `speedup_vs_vllm_ar`
+    and `vllm_greedy_identical`). `draftlab_chain_ngram` / `draftlab_tree_ngram` are the chain
+    and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_*` need vLLM installed and are not in the default
+    because each engine's start-up costs ~20 s to minutes; `vllm_draftlab` exports the
+    drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`;
+    `vllm_draftlab_ngram` runs it with `ngram`'s prompt lookups merged in (a copy from the
+    text where it has a match, else the drafter's draft: `draftlab.vllm_lookup`)."""
+    prompt_lookup_tokens: int = Field(10, ge=1)
+    """`prompt_lookup_num_tokens` for transformers' prompt-lookup decoding."""
+    ngram: NgramSpec = Field(default_factory=NgramSpec)
+    """Prompt-lookup drafts grafted onto our engine's tree by the `*_ngram` methods."""
+    vllm: VllmBenchSpec = Field(default_factory=VllmBenchSpec)
+    """vLLM engine settings for the `vllm_*` methods."""
+    json_out: str | None = None
+    """Write the JSON report here."""
+
+
+class ProfileConfig(StrictModel):
+    """`draftlab profile`: verification and drafting costs on this hardware."""
+
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    """The target model."""
+    context: int = Field(256, ge=1)
+    """Cached context length the new tokens attend to."""
+    new_tokens: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    """Target forward sizes (tree nodes) to time."""
+    depths: list[int] = Field(default_factory=lambda: [1, 2, 3, 4])
+    """Drafter depths to time."""
+    ks: list[int] = Field(default_factory=lambda: list(range(1, 9)))
+    """Draft lengths K to time."""
+    repeats: int = Field(5, ge=1)
+    """Timed repeats per point (median reported)."""
+    json_out: str | None = None
+    """Write the JSON report here."""
