@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from draftlab.config import TargetSpec
+from draftlab.errors import DraftlabError
 from draftlab.pipeline import stages
 from draftlab.pipeline.compose import Pipeline, load_pipeline
 from draftlab.storage import exists
@@ -174,32 +176,63 @@ class PipelineRun:
         return s
 
 
-def connect_cluster(progress: bool = True) -> dict:
+# Worker processes of the pipeline's Ray job draw no progress bars: forwarded to this console
+# each bar redraw is a line (a "Loading weights" bar per model load, MLflow's per download).
+QUIET_WORKERS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+
+
+def _ray_to_log(log_file: Path) -> None:
+    """The driver's "ray" logger writes INFO and up to `log_file` (connection notices, the
+    dashboard banner) and only warnings and errors to the console."""
+    log = logging.getLogger("ray")
+    log.handlers.clear()
+    to_file = logging.FileHandler(log_file)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
+    to_console = logging.StreamHandler()
+    to_console.setLevel(logging.WARNING)
+    log.addHandler(to_file)
+    log.addHandler(to_console)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def connect_cluster(log_file: Path, progress: bool = True) -> dict:
     """This process's Ray: the instance already initialised, RAY_ADDRESS, a cluster running
     on this machine, else a new local head (`ray start --head`), which outlives the pipeline
-    so the endpoint stays up (`ray stop` ends it)."""
+    so the endpoint stays up (`ray stop` ends it). Ray's own start-up output (the `ray start`
+    banner, connection notices) goes to `log_file`; the console keeps the stages."""
     import ray
     from ray._private.worker import get_dashboard_url
 
+    def init(address: str) -> None:
+        ray.init(address=address, log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": QUIET_WORKERS})
+        _ray_to_log(log_file)  # after init: configure_logging=False clears the "ray" logger
+
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     started = False
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         try:
-            ray.init(address=address or "auto", log_to_driver=True)
+            init(address or "auto")
         except ConnectionError:
             if address:
                 raise
             if progress:
-                print("no Ray cluster on this machine: starting one (`ray start --head`; `ray stop` ends it)", flush=True)
+                print(f"no Ray cluster on this machine: starting one (`ray start --head`, output in {log_file}; "
+                      "`ray stop` ends it)", flush=True)
             ray_bin = Path(sys.executable).with_name("ray")
-            subprocess.run([str(ray_bin), "start", "--head", f"--num-cpus={os.cpu_count()}", "--include-dashboard=true",
-                            "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-                           check=True, capture_output=not progress)
-            ray.init(address="auto", log_to_driver=True)
+            with log_file.open("a") as out:
+                code = subprocess.run([str(ray_bin), "start", "--head", f"--num-cpus={os.cpu_count()}",
+                                       "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+                                      stdout=out, stderr=subprocess.STDOUT).returncode
+            if code:
+                raise DraftlabError(f"`ray start --head` failed (exit {code}): its output is in {log_file}") from None
+            init("auto")
             started = True
     url = get_dashboard_url()
     return {"address": ray.get_runtime_context().gcs_address, "dashboard": f"http://{url}" if url and "://" not in url else url,
-            "started_here": started}
+            "started_here": started, "log": str(log_file)}
 
 
 def float32_note(target: TargetSpec) -> str | None:
@@ -236,7 +269,7 @@ def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool
                                                            "draftlab.target": p.distill.target.name})
     _atomic_json(state_file, {"mlflow_run_id": parent.run_id, "config": str(p.source)})
     parent.log_params({"pipeline": p.cfg.model_dump(mode="json")})
-    run = PipelineRun(p, run_dir, uri, parent, connect_cluster(progress), progress)
+    run = PipelineRun(p, run_dir, uri, parent, connect_cluster(run_dir / "ray.log", progress), progress)
     t0 = time.perf_counter()
     try:
         for i, stage in enumerate(run.stages, 1):
@@ -279,7 +312,8 @@ def format_summary(s: dict) -> str:
         + (f"mlflow ui --backend-store-uri {s['tracking_uri']}" if s["tracking_uri"].startswith("sqlite")
            else s["tracking_uri"]),
         f"Ray dashboard: {s['cluster']['dashboard'] or 'not running (install ray[default])'}"
-        + ("; the cluster started here keeps serving: `ray stop` ends it" if s["cluster"]["started_here"] else ""),
+        + ("; the cluster started here keeps serving: `ray stop` ends it" if s["cluster"]["started_here"] else "")
+        + (f"; Ray's start-up output: {s['cluster']['log']}" if s["cluster"].get("log") else ""),
     ]
     if s.get("report"):
         lines.append(f"report: {s['report']['html']}")
