@@ -216,6 +216,26 @@ def test_profile_json(tmp_path):
     assert all(v > 0 for v in report["target_forward_ms"].values())
 
 
+def test_profile_times_the_rows_and_trees_it_is_given(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--target", "tiny-llama", "--context", "32", "--repeats", "1", "--new-tokens", "1,4",
+                 "--trees", "small-6,chain-2", "--depths", "1", "--ks", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["target_forward_ms"]) == {"1", "4"}
+    assert report["drafter_ms"]["parallel"] == {"1": pytest.approx(report["drafter_ms"]["parallel"]["1"])}
+    assert set(report["drafter_ms"]["parallel"]["1"]) == {"2"}
+    trees = report["tree_verify"]
+    assert [trees[t]["rows"] for t in ("small-6", "chain-2")] == [7, 3]  # root + nodes
+    assert all(t["ms"] > 0 and t["steps"] > 0 for t in trees.values())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        main(["profile", "--target", "tiny-llama", "--new-tokens", "1,x"])
+    assert bad.value.code == 2 and "--new-tokens: expected a comma list of integers, got '1,x'" in capsys.readouterr().err
+    assert main(["profile", "--target", "tiny-llama", "--trees", "no-such-tree", "--new-tokens", "1", "--ks", "1",
+                 "--depths", "1", "--repeats", "1"]) == 2
+    assert "no-such-tree" in capsys.readouterr().err
+
+
 def test_distill_cli_rejects_bad_config_and_overrides(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("drafter: {family: parallel, depth: 0}\n")

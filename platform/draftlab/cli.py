@@ -59,6 +59,18 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
 
 
+def _csv(text: str) -> list[str]:
+    """A comma list on the command line: `"a, b,"` -> `["a", "b"]`."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(item) for item in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+
+
 def _target(a: argparse.Namespace) -> TargetSpec:
     return TargetSpec(name=a.target, device=a.device, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
 
@@ -99,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     _target_args(p)
     p.add_argument("--context", type=int, default=256, help="cached context length")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--new-tokens", type=_ints, default=None, help="comma list of chain rows to time (default 1,2,4,8,16,32,64)")
+    p.add_argument("--trees", type=_csv, default=None,
+                   help="comma list of trees whose verify is timed (chain-<n>, a preset, a JSON file; default small-6,default,wide-16)")
+    p.add_argument("--depths", type=_ints, default=None, help="comma list of drafter depths to time (default 1,2,3,4)")
+    p.add_argument("--ks", type=_ints, default=None, help="comma list of draft lengths K to time (default 1..8)")
     p.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     d = sub.add_parser("distill", help="train a drafter by self-distillation on Ray Train (logged to MLflow)")
@@ -146,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--url", default="http://127.0.0.1:8000/v1")
     lt.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     lt.add_argument("--api-key", default=None)
-    lt.add_argument("--concurrency", default="1,4,16", help="comma list of concurrency levels")
+    lt.add_argument("--concurrency", type=_ints, default="1,4,16", help="comma list of concurrency levels")
     lt.add_argument("--requests", type=int, default=None, help="requests per level and mode (default max(8, 2 x C))")
     lt.add_argument("--speculation", default="server", help="comma list of modes compared side by side: server,on,off")
     lt.add_argument("--prompts", default=None, help="JSONL prompts (default: the packaged set)")
@@ -291,8 +308,8 @@ def _loadtest(a: argparse.Namespace) -> None:
     from draftlab.serve.loadtest import run_loadtest
 
     cfg = LoadtestConfig(
-        url=a.url, model=a.model, api_key=a.api_key, concurrency=[int(c) for c in a.concurrency.split(",") if c.strip()],
-        requests=a.requests, speculation=[m.strip() for m in a.speculation.split(",") if m.strip()], prompts=a.prompts,
+        url=a.url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
+        requests=a.requests, speculation=_csv(a.speculation), prompts=a.prompts,
         max_tokens=a.max_tokens, temperature=a.temperature, stream=not a.no_stream, json_out=a.json_out,
         duration_s=a.duration, window_s=a.window,
     )
@@ -375,8 +392,8 @@ def _bench(a: argparse.Namespace) -> None:
 
     cfg = BenchConfig(
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
-        k=a.k, depth=a.depth, tree=a.tree, trees=[t.strip() for t in a.trees.split(",") if t.strip()], temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-        warmup=a.warmup, methods=[m.strip() for m in a.methods.split(",") if m.strip()], json_out=a.json_out,
+        k=a.k, depth=a.depth, tree=a.tree, trees=_csv(a.trees), temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+        warmup=a.warmup, methods=_csv(a.methods), json_out=a.json_out,
         ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to),
         vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction),
     )
@@ -389,7 +406,8 @@ def _bench(a: argparse.Namespace) -> None:
 def _profile(a: argparse.Namespace) -> None:
     from draftlab.profiling import run_profile
 
-    cfg = ProfileConfig(target=_target(a), context=a.context, repeats=a.repeats, json_out=a.json_out)
+    lists = {name: getattr(a, name) for name in ("new_tokens", "trees", "depths", "ks") if getattr(a, name) is not None}
+    cfg = ProfileConfig(target=_target(a), context=a.context, repeats=a.repeats, json_out=a.json_out, **lists)
     print(json.dumps(run_profile(cfg), indent=2))
 
 

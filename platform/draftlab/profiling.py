@@ -21,10 +21,13 @@ from draftlab.config import ProfileConfig
 from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.engine import verify_plan
 from draftlab.decoding.tree import Tree
+from draftlab.decoding.tree_files import resolve_tree
 from draftlab.hardware import describe_device, sync
 from draftlab.models.drafters.build import init_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
+
+MAX_TREE_DEPTH = 64  # `chain` alone in `trees` = a 64-deep chain; deeper trees are kept whole
 
 
 def _median_ms(fns: list[Callable[[], None]], repeats: int, device: torch.device) -> list[float]:
@@ -78,6 +81,14 @@ def profile_target(target: Target, context: int, sizes: list[int], repeats: int)
     return {str(n): ms for n, ms in zip(sizes, verify_ms(target, trees, context, repeats), strict=True)}
 
 
+def profile_trees(target: Target, context: int, trees: dict[str, Tree], repeats: int) -> dict[str, dict]:
+    """Each tree's verify forward beside a decoding step (timed round-robin): its rows
+    (root + nodes), ms, and ms in decoding steps."""
+    step, *costs = verify_ms(target, [None, *trees.values()], context, repeats)
+    return {spec: {"rows": len(tree.depths), "ms": ms, "steps": ms / step}
+            for (spec, tree), ms in zip(trees.items(), costs, strict=True)}
+
+
 def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
     """Median ms of one drafting round of k tokens (one new committed entry) after `context`."""
     dev, target_dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
@@ -110,6 +121,7 @@ def profile_drafters(target: Target, context: int, depths: list[int], ks: list[i
 
 
 def run_profile(cfg: ProfileConfig) -> dict:
+    trees = {spec: resolve_tree(spec, None, k=MAX_TREE_DEPTH, cut=False) for spec in cfg.trees}  # bad specs fail first
     target = load_target(cfg.target)
     report = {
         "target": target.name,
@@ -118,6 +130,8 @@ def run_profile(cfg: ProfileConfig) -> dict:
         "context": cfg.context,
         "repeats": cfg.repeats,
         "target_forward_ms": profile_target(target, cfg.context, cfg.new_tokens, cfg.repeats),
+        # tree_verify[spec]: {"rows", "ms", "steps" (ms over one decoding step's)}
+        "tree_verify": profile_trees(target, cfg.context, trees, cfg.repeats),
         # drafter_ms[family][depth][k]: one drafting round of k tokens
         "drafter_ms": profile_drafters(target, cfg.context, cfg.depths, cfg.ks, cfg.repeats),
     }

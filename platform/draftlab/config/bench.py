@@ -114,6 +114,10 @@ class ProfileConfig(StrictModel):
     """Cached context length the new tokens attend to."""
     new_tokens: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     """Target forward sizes (tree nodes) to time."""
+    trees: list[str] = Field(default_factory=lambda: ["small-6", "default", "wide-16"])
+    """Trees whose verify forward is timed as the engine runs it (`chain-<n>`, a preset or a
+    JSON file of rank paths): their rows gather the keys of their ancestors, a chain's read
+    the cache in place."""
     depths: list[int] = Field(default_factory=lambda: [1, 2, 3, 4])
     """Drafter depths to time."""
     ks: list[int] = Field(default_factory=lambda: list(range(1, 9)))
