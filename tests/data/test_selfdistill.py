@@ -1,4 +1,4 @@
-"""Prompt sources and self-distillation data (draftlab.data.sources / .selfdistill).
+"""Prompt sources and self-distillation data (draftlab.data: sources, generation, dataset, selfdistill).
 
 Generation runs for real: Ray Data actors with the tiny target, 12 prompts in 3 shards.
 """
@@ -18,7 +18,9 @@ import torch
 from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
 from draftlab.data import cache, selfdistill
 from draftlab.data.cache import cache_path, dataset_key, key_inputs, prompts_cache_file, shard_dir
-from draftlab.data.selfdistill import generation_spec, load_or_generate
+from draftlab.data.dataset import train_eval_split
+from draftlab.data.generation import generation_spec, target_features
+from draftlab.data.selfdistill import load_or_generate
 from draftlab.data.sources import (
     collect_prompts,
     dedup_key,
@@ -128,7 +130,7 @@ def test_features_come_back_in_order_whatever_the_batching(tiny):
     sequence's states, as one unpadded forward gives them (float16, as cached)."""
     seqs = [[5, 9, 11, 20, 7, 3], [4], [8, 8, 2], [30, 31, 32, 33], [6, 1]]
     aux = [0, 1]
-    got = selfdistill.target_features(tiny, seqs, 2, aux)
+    got = target_features(tiny, seqs, 2, aux)
     for seq, feats in zip(seqs, got, strict=True):
         _, ref = tiny.forward(torch.tensor(seq), torch.arange(len(seq)), tiny.new_cache(), aux_layers=tuple(aux))
         assert feats.shape == (len(seq), 3 * tiny.hidden_size) and feats.dtype == np.float16
@@ -286,8 +288,8 @@ def test_hidden_matches_target_forward(generated, tiny):
 def test_split_is_deterministic_and_disjoint(generated):
     train, ev = set(generated["train"]["prompt"]), set(generated["eval"]["prompt"])
     assert not train & ev and train | ev == set(PROMPTS)
-    assert selfdistill._split(generated["train"], 0.01, seed=0)["eval"].num_rows == 1  # >= 1 when >= 2 rows
-    assert selfdistill._split(generated["train"].select([0]), 0.5, seed=0)["eval"].num_rows == 0
+    assert train_eval_split(generated["train"], 0.01, seed=0)["eval"].num_rows == 1  # >= 1 when >= 2 rows
+    assert train_eval_split(generated["train"].select([0]), 0.5, seed=0)["eval"].num_rows == 0
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ import ray
 
 from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
 from draftlab.data.cache import dataset_key, prompts_cache_file
-from draftlab.data.selfdistill import generate_responses, load_or_generate, open_writer
+from draftlab.data.generation import generate_responses, open_writer
+from draftlab.data.selfdistill import load_or_generate
 from draftlab.data.sources import dedup_key, load_prompts_from_source, reject_reason
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import load_target

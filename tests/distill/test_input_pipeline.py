@@ -161,7 +161,7 @@ def test_a_last_state_family_reads_the_last_columns_of_a_fused_feature_cache(tin
     """The data cache holds the aux layers' states, then the last state (`target_features`);
     the autoregressive (last-state) family trains from its last H columns, as if the target
     had been run for it, and runs no target forward per step."""
-    from draftlab.data.selfdistill import target_features
+    from draftlab.data.generation import target_features
 
     aux = [0, 1]
     rows = _rows()

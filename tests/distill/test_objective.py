@@ -6,6 +6,7 @@ import torch
 
 from draftlab.config import TargetSpec, TrainConfig
 from draftlab.distill.batching import collate
+from draftlab.distill.drafter_setup import frequent_tokens
 from draftlab.distill.objective import (
     DistillModule,
     gather_states,
@@ -14,7 +15,6 @@ from draftlab.distill.objective import (
     noisy,
     teacher_states,
 )
-from draftlab.distill.worker import frequent_tokens
 from draftlab.models.drafters.build import init_drafter
 from draftlab.models.target import load_target
 

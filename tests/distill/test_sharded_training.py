@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from distill_support import tiny_config
 from draftlab.config import BenchSpec, DistillConfig, ScalingSpec, TrainConfig
+from draftlab.distill.evaluation import evaluate
 from draftlab.distill.launch import run_distill
 from draftlab.distill.objective import DistillModule
-from draftlab.distill.worker import evaluate
 from draftlab.models.drafters.build import init_drafter, load_drafter
 from draftlab.models.target import load_target
 

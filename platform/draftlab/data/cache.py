@@ -2,7 +2,7 @@
 
 Layout (`root` = `data.cache_dir` or `$DRAFTLAB_CACHE/data`)::
 
-    root/<key>.lock                 serialises drivers working on the same key
+    root/<key>.lock                 serialises drivers working on the same key (`exclusive`)
     root/<key>/dataset/             final DatasetDict ("train", "eval"), + meta.json
     root/<key>/work/prompts.json    the prompts and shard size (a resumed run reuses them)
     root/<key>/work/shards/shard-00003/   one generated shard (Dataset.save_to_disk)
@@ -24,6 +24,7 @@ set of the smaller size (`reuse_donor_shards`) instead of being generated again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,6 +32,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -101,6 +103,23 @@ def cache_path(data: DataConfig, target_fingerprint: str) -> Path:
 
 def shard_dir(work_dir: Path, index: int) -> Path:
     return Path(work_dir) / "shards" / f"shard-{index:05d}"
+
+
+@contextlib.contextmanager
+def exclusive(root: Path) -> Iterator[None]:
+    """One driver per key at a time; a second one waits, then finds the finished dataset."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(root) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("waiting for another job generating the same data at %s", root)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: dict | None = None) -> None:

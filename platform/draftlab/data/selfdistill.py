@@ -7,7 +7,10 @@ of `num_actors` actors, each holding one copy of the target, generates a shard a
 itself, so a killed job keeps every finished shard and a rerun only does the rest. The
 driver then concatenates the shards in order, splits train/eval and saves the result.
 
-The cache (keys, layout, growth from a smaller data set) is `draftlab.data.cache`.
+This module is that driver (`load_or_generate`) and the view training reads the result
+through (`training_view`). The actors and what they run are `draftlab.data.generation`; the
+finished data set's assembly (concatenation, split, meta.json) is `draftlab.data.dataset`;
+the cache (keys, layout, its lock, growth from a smaller data set) is `draftlab.data.cache`.
 """
 
 from __future__ import annotations
@@ -16,22 +19,16 @@ import contextlib
 import json
 import logging
 import shutil
-import time
-from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 
 import datasets
-import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import LogitsProcessorList
 
 from draftlab.config import ConfigError, DataConfig, TargetSpec
 from draftlab.data.cache import (
     cache_path,
-    dataset_key,
-    key_inputs,
+    exclusive,
     reuse_donor_shards,
     save_atomic,
     save_prompts,
@@ -40,212 +37,10 @@ from draftlab.data.cache import (
     write_json_atomic,
     writers,
 )
-from draftlab.data.sampling import TopKTopPSampler
-from draftlab.models.drafters.p_eagle import resolve_aux_layers
+from draftlab.data.dataset import concat_shards, dataset_meta, train_eval_split
+from draftlab.data.generation import ShardGenerator, generation_spec, open_writer
 
 logger = logging.getLogger(__name__)
-
-_FP16_MAX = 65504.0  # float16's largest finite value; bf16/fp32 features are clamped to it
-
-
-# --- generation: pure functions of a loaded target (they run inside the actors) ----------
-
-
-def sample_features(feature_size: int, store_features: bool) -> datasets.Features:
-    cols = {
-        "input_ids": datasets.List(datasets.Value("int32")),
-        "prompt_len": datasets.Value("int32"),
-        "prompt": datasets.Value("string"),
-    }
-    if store_features:
-        cols["hidden"] = datasets.Array2D(shape=(None, feature_size), dtype="float16")
-    return datasets.Features(cols)
-
-
-def token_counts(ds: datasets.Dataset) -> tuple[int, int]:
-    """(prompt tokens, response tokens) of a dataset without an indices mapping."""
-    import pyarrow.compute as pc
-
-    total = pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0
-    prompt = pc.sum(ds.data.column("prompt_len")).as_py() or 0
-    return prompt, total - prompt
-
-
-def _cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """Keep tokens up to and including the first EOS (what follows is HF's padding)."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-def open_writer(data: DataConfig, target, generator: str) -> contextlib.AbstractContextManager:
-    """The vLLM engine on `target`'s weights when `generator` (`data.generator` for the
-    responses, `data.prompt_generator` for magpie prompts) is `vllm`; None for `hf` (the
-    target's own `generate` writes them)."""
-    if generator == "hf":
-        return contextlib.nullcontext(None)
-    from draftlab.export import vllm_target_dir
-    from draftlab.vllm_offline import VllmEngine
-
-    # Room for the longest chat-formatted prompt plus its response: prompts are cut to
-    # max_prompt_tokens of text, the chat template adds its header and system turn.
-    length = data.source.max_prompt_tokens + data.max_new_tokens + 256
-    return VllmEngine(vllm_target_dir(target), dtype=target.dtype, max_model_len=length,
-                      memory_fraction=data.vllm_memory_fraction, max_num_seqs=data.batch_size, reserved_cpus=0,
-                      memory_setting="data.vllm_memory_fraction")
-
-
-@torch.inference_mode()
-def generate_responses(
-    target, prompt_ids: list[list[int]], data: DataConfig, seed: int = 0, writer=None
-) -> list[list[int]]:
-    """The target's response to each prompt; greedy when `data.temperature == 0`. Written by
-    `writer` (a `VllmEngine` from `open_writer`: prompt i samples with seed `seed + i`) or
-    by batched, left-padded HF `generate`, `data.batch_size` prompts per call."""
-    eos = sorted(target.eos_token_ids)
-    if writer is not None:
-        seeds = [seed + i for i in range(len(prompt_ids))] if data.temperature > 0 else None
-        rows = writer.generate_many(prompt_ids, data.max_new_tokens, temperature=data.temperature, top_p=data.top_p,
-                                    seeds=seeds, stop_token_ids=eos)
-    else:
-        rows = _hf_responses(target, prompt_ids, data, seed, eos)
-    stop = set(eos)
-    return [_cut_after_eos(r, stop) for r in rows]
-
-
-def _hf_responses(target, prompt_ids: list[list[int]], data: DataConfig, seed: int, eos: list[int]) -> list[list[int]]:
-    """HF `generate`'s new ids per prompt (padding after EOS included), left-padded batches."""
-    pad = target.tokenizer.pad_token_id
-    pad = pad if pad is not None else (eos[0] if eos else 0)
-    mode = {}
-    if data.temperature > 0:  # our sampler in the greedy loop: fast on CPU
-        mode = dict(logits_processor=LogitsProcessorList([TopKTopPSampler(data.temperature, data.top_p)]))
-    devices = [target.device.index or 0] if target.device.type == "cuda" else []
-    rows: list[list[int]] = []
-    for start in range(0, len(prompt_ids), data.batch_size):
-        chunk = prompt_ids[start : start + data.batch_size]
-        width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # (B, W), left-padded
-        mask = torch.zeros_like(ids)  # (B, W), 1 = real token
-        for row, p in enumerate(chunk):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        with torch.random.fork_rng(devices=devices):  # seeded, global RNG untouched
-            torch.manual_seed(seed + start)
-            out = target.model.generate(
-                ids.to(target.device),
-                attention_mask=mask.to(target.device),
-                max_new_tokens=data.max_new_tokens,
-                eos_token_id=eos or None,
-                pad_token_id=pad,
-                do_sample=False,
-                **mode,
-            )  # (B, W + new)
-        rows += out[:, width:].tolist()
-    return rows
-
-
-@torch.inference_mode()
-def target_features(target, sequences: list[list[int]], batch_size: int, aux_layers: list[int]) -> list[np.ndarray]:
-    """The target's features (`Target.features`: the states after `aux_layers`, then the
-    last hidden state, as `Target.forward` returns them) for every position of each
-    sequence, as float16 arrays of shape (T, (len(aux_layers) + 1) * H).
-
-    Sequences are right-padded and run without an attention mask: attention is causal, so
-    no real position ever sees the padding after it. Batches are cut from the sequences
-    sorted by length, so little of each forward is padding.
-    """
-    pad = target.tokenizer.pad_token_id or 0
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    out: list[np.ndarray | None] = [None] * len(sequences)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        ids = torch.full((len(chunk), max(len(sequences[i]) for i in chunk)), pad, dtype=torch.long)  # (B, W)
-        for row, i in enumerate(chunk):
-            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-        hidden = target.run_decoder(tuple(aux_layers), input_ids=ids.to(target.device), use_cache=False)  # (B, W, F)
-        hidden = hidden.float().clamp(-_FP16_MAX, _FP16_MAX).half().cpu()
-        for row, i in enumerate(chunk):
-            out[i] = hidden[row, : len(sequences[i])].numpy()  # (T, F)
-    return out
-
-
-def build_shard(target, prompts: list[str], data: DataConfig, seed: int, writer=None) -> datasets.Dataset:
-    """Generate (`writer`: see `generate_responses`), cut and (optionally) featurise one
-    shard; empty responses are dropped."""
-    prompt_ids = [target.encode_prompt(p) for p in prompts]
-    responses = generate_responses(target, prompt_ids, data, seed, writer)
-    keep = [i for i, r in enumerate(responses) if r]
-    seqs = [prompt_ids[i] + responses[i] for i in keep]
-    cols = {
-        "input_ids": seqs,
-        "prompt_len": [len(prompt_ids[i]) for i in keep],
-        "prompt": [prompts[i] for i in keep],
-    }
-    aux = resolve_aux_layers(data.aux_layers, target.num_layers)
-    if data.store_features:
-        cols["hidden"] = target_features(target, seqs, data.batch_size, aux)
-    width = (len(aux) + 1) * target.hidden_size
-    return datasets.Dataset.from_dict(cols, features=sample_features(width, data.store_features))
-
-
-class ShardGenerator:
-    """Ray Data actor: loads the target (and, for `generator: vllm`, starts its engine)
-    once, then generates and saves one shard per row.
-
-    Rows are `{"shard": int, "prompts": list[str]}`; each output row is a small summary
-    (the samples themselves go to disk, so a killed job keeps the finished shards).
-    """
-
-    def __init__(self, target_spec: dict, data: dict, work_dir: str):
-        from draftlab.models.target import load_target
-
-        datasets.disable_progress_bars()  # per-shard "Saving the dataset" bars would flood the driver
-        self.data = DataConfig.model_validate(data)
-        self.work_dir = Path(work_dir)
-        self.target = load_target(TargetSpec.model_validate(target_spec))
-        self._stack = contextlib.ExitStack()
-        self.writer = self._stack.enter_context(open_writer(self.data, self.target, self.data.generator))
-
-    def __del__(self):
-        stack = getattr(self, "_stack", None)
-        if stack is not None:  # the vLLM engine's processes end with it
-            stack.close()
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        (index,) = batch["shard"].tolist()  # batch_size=1: one shard per call
-        prompts = [str(p) for p in batch["prompts"][0]]
-        dest = shard_dir(self.work_dir, index)
-        t0 = time.perf_counter()
-        if not dest.is_dir():  # a retried task may find its shard already saved
-            ds = build_shard(self.target, prompts, self.data, seed=self.data.source.seed * 1_000_003 + index,
-                             writer=self.writer)
-            save_atomic(ds, dest)
-        ds = datasets.load_from_disk(str(dest))
-        return {
-            "shard": [index],
-            "prompts": [len(prompts)],
-            "samples": [ds.num_rows],
-            "response_tokens": [token_counts(ds)[1]],
-            "seconds": [time.perf_counter() - t0],
-            "device": [str(self.target.device)],
-        }
-
-
-# --- driver ------------------------------------------------------------------------------
-
-
-def generation_spec(target_spec: TargetSpec, use_gpu: bool) -> TargetSpec:
-    """The spec the generation actors load: no "auto" left in device or dtype.
-
-    The device follows `use_gpu`, not CUDA availability: Ray 2.60 leaves
-    CUDA_VISIBLE_DEVICES alone for actors that reserved no GPU, so "auto" would grab an
-    unreserved GPU on a GPU node.
-    """
-    from draftlab.models.target import placed_spec
-
-    return placed_spec(target_spec, use_gpu, "data.use_gpu", "generation actors")
 
 
 def _prompts_and_plan(work: Path, data: DataConfig, target, spec: TargetSpec, progress: bool) -> tuple[list[str], int]:
@@ -332,71 +127,6 @@ def _run_shards(
         ctx.enable_progress_bars = ray_bars
 
 
-def _split(ds: datasets.Dataset, eval_fraction: float, seed: int) -> datasets.DatasetDict:
-    """Deterministic train/eval split; eval gets >= 1 sample when eval_fraction > 0 and
-    there are >= 2 samples, and train always keeps >= 1."""
-    n = ds.num_rows
-    n_eval = min(round(n * eval_fraction), n - 1)
-    if eval_fraction > 0 and n >= 2:
-        n_eval = max(n_eval, 1)
-    if n_eval <= 0:
-        return datasets.DatasetDict(train=ds, eval=ds.select([]))
-    # Not `train_test_split`: it caches the indices inside the first shard's directory, and
-    # datasets 5.2 rejects its keep_in_memory=True for file-backed data. Same algorithm.
-    order = np.random.default_rng(seed).permutation(n)  # (n,)
-    return datasets.DatasetDict(
-        train=ds.select(order[n_eval:], keep_in_memory=True),
-        eval=ds.select(order[:n_eval], keep_in_memory=True),
-    )
-
-
-def _concat_shards(work: Path, num_shards: int) -> datasets.Dataset:
-    shards = [datasets.load_from_disk(str(shard_dir(work, i))) for i in range(num_shards)]
-    ds = datasets.concatenate_datasets(shards)  # memory-mapped, in prompt order
-    if ds.num_rows == 0:
-        raise ValueError(f"self-distillation produced no samples (every response was empty); see {work}")
-    return ds
-
-
-def _meta(
-    ds: datasets.Dataset, dsd: datasets.DatasetDict, data: DataConfig, target_spec: TargetSpec,
-    fingerprint: str, num_prompts: int, shard_size: int, reused: dict | None,
-) -> dict:
-    prompt_tokens, response_tokens = token_counts(ds)
-    return {
-        "key": dataset_key(data, fingerprint),
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "inputs": key_inputs(data, fingerprint),
-        "target": target_spec.model_dump(mode="json"),
-        "num_prompts": num_prompts,
-        "shard_size": shard_size,
-        "reused_from": reused,  # {"key", "shards"}: shards copied from a cached data set of the same stream
-        "num_samples": ds.num_rows,
-        "num_dropped_empty": num_prompts - ds.num_rows,
-        "num_train": dsd["train"].num_rows,
-        "num_eval": dsd["eval"].num_rows,
-        "prompt_tokens": prompt_tokens,
-        "response_tokens": response_tokens,
-    }
-
-
-@contextlib.contextmanager
-def _exclusive(root: Path) -> Iterator[None]:
-    """One driver per key at a time; a second one waits, then finds the finished dataset."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(root) + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        logger.info("waiting for another job generating the same data at %s", root)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig, target_spec: TargetSpec,
               fingerprint: str, progress: bool) -> None:
     """Generate the missing shards, then save the final DatasetDict + meta.json atomically."""
@@ -413,9 +143,9 @@ def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig,
     todo, reused = reuse_donor_shards(root, todo, prompts, shard_size, data, fingerprint, progress)
     if todo:
         _run_shards(todo, prompts, shard_size, num_shards, data, target_spec, work, progress)
-    ds = _concat_shards(work, num_shards)
-    dsd = _split(ds, data.eval_fraction, data.source.seed)
-    meta = _meta(ds, dsd, data, target_spec, fingerprint, len(prompts), shard_size, reused)
+    ds = concat_shards(work, num_shards)
+    dsd = train_eval_split(ds, data.eval_fraction, data.source.seed)
+    meta = dataset_meta(ds, dsd, data, target_spec, fingerprint, len(prompts), shard_size, reused)
     save_atomic(dsd, root / "dataset", extra={"meta.json": meta})
     logger.info(
         "saved self-distillation data at %s (%d train, %d eval)", root / "dataset", meta["num_train"], meta["num_eval"]
@@ -452,7 +182,7 @@ def load_or_generate(
 
     Columns: `input_ids` (prompt ids from `Target.encode_prompt`, then the response, EOS
     kept), `prompt_len`, `prompt`, and with `data.store_features` also `hidden` (T, F)
-    float16 (`target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
+    float16 (`generation.target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
     duplicate it on disk).
     """
     from draftlab.models.target import describe_target
@@ -466,7 +196,7 @@ def load_or_generate(
     root = cache_path(data, fingerprint)
     final = root / "dataset"
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive(root):
+    with exclusive(root):
         if (final / "dataset_dict.json").is_file():
             logger.info("reusing cached self-distillation data at %s", final)
         else:
