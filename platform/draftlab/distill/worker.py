@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import tempfile
 import time
@@ -58,6 +59,8 @@ from draftlab.distill.train_state import PHASES, Evaluation, LogWindow, TrainSta
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import load_target
 from draftlab.tracking import Tracker
+
+log = logging.getLogger(__name__)
 
 
 def lr_factor(step: int, warmup: int, total: int, time_used: float = 0.0) -> float:
@@ -251,9 +254,15 @@ class DistillRecipe:
         state = self.state
         stats = evaluate(self.model, self.target, self.evalset, self.cfg, self.k)
         self.last_eval = Evaluation(state.step, stats, stats.metrics("eval"))
-        state.evaluations.append({"step": state.step, "minutes": self._clock() / 60, "tokens": state.tokens,
+        minutes = self._clock() / 60
+        state.evaluations.append({"step": state.step, "minutes": minutes, "tokens": state.tokens,
                                   "sim_accept_len": stats.sim_accept_len, "accuracy": stats.accuracy})
         self.tracker.buffer_metrics(self.last_eval.metrics, state.step)
+        if self.rank == 0:  # the run's progress line: Ray Train's worker log, forwarded to the driver's console
+            budget = f" of {self.budget_s / 60:.0f}" if math.isfinite(self.budget_s) else ""
+            log.info("%s: step %d, %.1f%s min, %.2f M tokens: held-out sim. accept len %.3f, agreement %s",
+                     self.cfg.name, state.step, minutes, budget, state.tokens / 1e6, stats.sim_accept_len,
+                     " / ".join(f"{a:.3f}" for a in stats.accuracy))
 
     def checkpoint(self, final: bool = False) -> dict[str, torch.Tensor] | None:
         """Flush metrics, then commit a checkpoint (all ranks report; rank 0 attaches files).

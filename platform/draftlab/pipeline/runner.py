@@ -200,7 +200,9 @@ def connect_cluster(log_file: Path, progress: bool = True) -> dict:
     """This process's Ray: the instance already initialised, RAY_ADDRESS, a cluster running
     on this machine, else a new local head (`ray start --head`), which outlives the pipeline
     so the endpoint stays up (`ray stop` ends it). Ray's own start-up output (the `ray start`
-    banner, connection notices) goes to `log_file`; the console keeps the stages."""
+    banner, connection notices) goes to `log_file`, and the job's workers draw no progress
+    bars: the console keeps the stages, their progress (the trainer prints a line per
+    evaluation) and the summary."""
     import ray
     from ray._private.worker import get_dashboard_url
 
