@@ -21,11 +21,9 @@ class VllmBenchSpec(StrictModel):
     left SmolLM2-135M in float32 (CPUs without bf16 support) with its drafter 0.04 GiB of KV
     cache where 2048 tokens need 0.09 GiB, and vLLM refused to start."""
     enforce_eager: bool = True
-    """Skip vLLM's torch.compile warm-up. Measured for SmolLM2-135M on 2 CPU cores: start-up
-    ~15-40 s eager vs ~60-90 s compiled (vLLM 0.29's compile cache fails to reload with torch
-    2.13, so every start compiles), decoding ~12% slower (24.5 vs 28 tok/s). Compiled, the
-    long config's drafter gained no more than eager: `vllm_draftlab` and `vllm_ngram` both
-    1.19x `vllm_ar` (30.1 tok/s; eager runs that hour: 1.21-1.23x at 23-24 tok/s)."""
+    """Skip vLLM's torch.compile warm-up: each engine starts much sooner (vLLM 0.29's
+    compile cache fails to reload with torch 2.13, so every compiled start compiles) and
+    decodes somewhat slower."""
     max_model_len: int = Field(2048, ge=16)
     """Longest prompt + completion an engine accepts (sizes its KV cache)."""
     ngram_min: int = Field(2, ge=1)

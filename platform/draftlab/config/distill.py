@@ -72,8 +72,9 @@ class TrainConfig(StrictModel):
     compile_loss: bool = False
     """`torch.compile` the per-node loss and its closed-form gradient over the head's
     vocabulary (the same values up to float32 rounding). Compiles once per training process
-    (~15 s on 2 CPU cores, inside the time budget; needs a C++ compiler on CPU), so it pays
-    on long runs with a wide head: README "A leaner loss" has the long config's steps."""
+    (inside the time budget; needs a C++ compiler on CPU), so it pays on long runs with a
+    wide head, as in the long config; a run's step time is its `train/ms_forward_backward`
+    metric."""
     feature_weight: float = Field(0.0, ge=0.0)
     """Weight of SmoothL1 between depth-0 outputs and the target's next hidden state
     (EAGLE's feature loss; what lets an autoregressive drafter feed itself)."""
@@ -100,7 +101,7 @@ class TrainConfig(StrictModel):
     autocast: Literal["auto", "none", "bf16", "fp16"] = "auto"
     """Mixed precision for the drafter's forward/backward (weights and optimizer stay fp32).
     `auto` = bf16 on CUDA GPUs that support it (Ampere+), fp32 elsewhere; `bf16` also uses
-    AMX on recent Xeons (~2x faster here); `fp16` adds a GradScaler (loss scaling). On CUDA
+    AMX or AVX512-BF16 on CPUs that have them; `fp16` adds a GradScaler (loss scaling). On CUDA
     every mode but `none` (strict fp32) also enables TF32 matmuls."""
     prefetch: int = Field(2, ge=0)
     """Batches a background DataLoader worker builds ahead of the step (pinned on CUDA);
