@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 from tqdm import tqdm
 
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
@@ -30,12 +32,20 @@ from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import Tree
 from draftlab.decoding.tree_files import resolve_tree
+from draftlab.export import (
+    VLLM_FAMILIES,
+    export_vllm,
+    served_draft_length,
+    vllm_speculative_config,
+    vllm_target_dir,
+)
 from draftlab.hardware import describe_device, sync
 from draftlab.models.drafters.build import resolve_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
-from draftlab.vllm_offline import SpecCounters
+from draftlab.vllm_lookup import engine_kwargs
+from draftlab.vllm_offline import SpecCounters, VllmEngine, require_vllm
 
 VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram")  # in the order their engines run
 TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
@@ -348,7 +358,6 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, sou
     asked = [m for m in VLLM_METHODS if m in cfg.methods]
     if not asked:
         return {}
-    from draftlab.vllm_offline import require_vllm
 
     try:
         require_vllm()
@@ -367,13 +376,6 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, sou
     if drafted:
         if drafter is None:
             raise ValueError(f"methods {drafted} need a drafter (--drafter PATH or init:p-eagle)")
-        from draftlab.export import (
-            VLLM_FAMILIES,
-            export_vllm,
-            served_draft_length,
-            vllm_speculative_config,
-        )
-        from draftlab.vllm_lookup import engine_kwargs
 
         if drafter.family not in VLLM_FAMILIES:
             raise ValueError(f"methods {drafted}: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
@@ -394,8 +396,6 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
     """Each planned engine as one block over all prompts after the warm-up, one alive at a time."""
     if not plan:
         return {}, None
-    from draftlab.export import vllm_target_dir
-    from draftlab.vllm_offline import VllmEngine, require_vllm
 
     model_dir = vllm_target_dir(target)
     runs: dict[str, list[tuple[str, Run]]] = {}
@@ -430,9 +430,6 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
 
 def render_table(report: dict) -> str:
     """A readable summary table (rich), one row per method."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"draftlab bench: {report['target']} on {report['device']}")
     vllm = report.get("vllm") is not None
     cols = ("method", "tokens/s", "tau", "speedup vs ar", "greedy match (prompts/tokens)")

@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
+from draftlab import docs, infra, submit
 from draftlab.config import (
     BenchConfig,
     ConfigError,
@@ -46,7 +48,11 @@ from draftlab.config import (
     parse_overrides,
 )
 from draftlab.errors import DraftlabError
+from draftlab.report import write_report
+from draftlab.serve import control
+from draftlab.storage import local_copy
 from draftlab.submit import DEFAULT_ADDRESS, ENTRYPOINTS
+from draftlab.tracking import format_runs_table, list_runs, promote
 
 QUICK = "jobs/configs/pipeline-tiny-quick.yaml"  # `draftlab pipeline --quick` (from the repo root)
 METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
@@ -218,15 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Each command imports its library module when it runs (its `noqa: PLC0415` says what that module
+# pulls in): `draftlab --help` and the light commands load no torch, Ray, MLflow or vLLM at start-up.
 def _distill(a: argparse.Namespace) -> None:
-    from draftlab.distill.launch import format_summary, run_distill
+    from draftlab.distill.launch import format_summary, run_distill  # noqa: PLC0415 -- torch, Ray Train
 
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     print(format_summary(run_distill(cfg)))
 
 
 def _select_tree(a: argparse.Namespace) -> None:
-    from draftlab.distill.tree_select import choose_tree_for_run
+    from draftlab.distill.tree_select import choose_tree_for_run  # noqa: PLC0415 -- torch
 
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     report = choose_tree_for_run(cfg, a.drafter)
@@ -240,9 +248,7 @@ def _select_tree(a: argparse.Namespace) -> None:
 
 
 def _sweep(a: argparse.Namespace) -> None:
-    from pathlib import Path
-
-    from draftlab.sweep.runner import format_table, resume_sweep, run_sweep
+    from draftlab.sweep.runner import format_table, resume_sweep, run_sweep  # noqa: PLC0415 -- Ray Tune
 
     if bool(a.config) == bool(a.resume):
         raise ConfigError("give exactly one of -c SWEEP.yaml (a new sweep) or --resume PATH (an interrupted one)")
@@ -262,16 +268,13 @@ def _sweep(a: argparse.Namespace) -> None:
 
 
 def _promote(a: argparse.Namespace) -> None:
-    from draftlab.tracking import promote
-
     out = promote(a.run_id, a.model, a.alias, a.tracking_uri)
     was = f" (was version {out['previous']}, kept)" if out["previous"] else ""
     print(f"{out['model']} version {out['version']} (run {out['run_id']}) is now @{out['alias']}{was}")
 
 
 def _serve(a: argparse.Namespace) -> None:
-    from draftlab.serve import control
-    from draftlab.serve.vllm_app import VllmServeArgs
+    from draftlab.serve.vllm_app import VllmServeArgs  # noqa: PLC0415 -- Ray Serve
 
     if a.status or a.shutdown:
         print(json.dumps(control.status(), indent=2) if a.status else control.shutdown(a.name))
@@ -283,8 +286,9 @@ def _serve(a: argparse.Namespace) -> None:
     if a.config:
         spec = control.load_serve_config(a.config)
     else:
-        from draftlab.serve.app import build_app
-        from draftlab.serve.vllm_app import build_vllm_app
+        # Ray Serve
+        from draftlab.serve.app import build_app  # noqa: PLC0415
+        from draftlab.serve.vllm_app import build_vllm_app  # noqa: PLC0415
 
         builder, args = (build_vllm_app, VllmServeArgs()) if a.engine == "vllm" else (build_app, ServeArgs())
         spec = {"builder": builder, "args": args, "name": control.DEFAULT_APP, "route_prefix": "/",
@@ -305,7 +309,7 @@ def _serve(a: argparse.Namespace) -> None:
 
 
 def _loadtest(a: argparse.Namespace) -> None:
-    from draftlab.serve.loadtest import run_loadtest
+    from draftlab.serve.loadtest import run_loadtest  # noqa: PLC0415 -- httpx (~70 ms)
 
     cfg = LoadtestConfig(
         url=a.url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
@@ -317,9 +321,7 @@ def _loadtest(a: argparse.Namespace) -> None:
 
 
 def _pipeline(a: argparse.Namespace) -> None:
-    from pathlib import Path
-
-    from draftlab.pipeline.runner import format_summary, run_pipeline
+    from draftlab.pipeline.runner import format_summary, run_pipeline  # noqa: PLC0415 -- torch, Ray
 
     if bool(a.config) == a.quick:
         raise ConfigError("give exactly one of -c PIPELINE.yaml or --quick")
@@ -330,8 +332,6 @@ def _pipeline(a: argparse.Namespace) -> None:
 
 
 def _submit(a: argparse.Namespace) -> None:
-    from draftlab import submit
-
     env = dict(item.split("=", 1) for item in a.env if "=" in item)
     if len(env) != len(a.env):
         raise ConfigError("--env takes KEY=VALUE")
@@ -343,8 +343,6 @@ def _submit(a: argparse.Namespace) -> None:
 
 
 def _jobs(a: argparse.Namespace) -> None:
-    from draftlab import submit
-
     if a.action == "list":
         print(submit.format_jobs(submit.list_jobs(a.address)))
         return
@@ -357,15 +355,11 @@ def _jobs(a: argparse.Namespace) -> None:
 
 
 def _report(a: argparse.Namespace) -> None:
-    from draftlab.report import write_report
-
     out = write_report(a.source, a.out, a.tracking_uri, log=not a.no_log)
     print(f"wrote {out['html']} and {out['markdown']}" + (f"; logged to MLflow run {out['logged_to']}" if out["logged_to"] else ""))
 
 
 def _generate(a: argparse.Namespace) -> None:
-    from draftlab import docs, infra
-
     changed = docs.regenerate(a.check) + infra.regenerate(a.check)
     if a.check and changed:
         raise ConfigError(f"stale generated files (run `draftlab generate`): {', '.join(map(str, changed))}")
@@ -373,14 +367,11 @@ def _generate(a: argparse.Namespace) -> None:
 
 
 def _runs(a: argparse.Namespace) -> None:
-    from draftlab.tracking import format_runs_table, list_runs
-
     print(format_runs_table(list_runs(a.tracking_uri, a.experiment, a.limit)))
 
 
 def _export(a: argparse.Namespace) -> None:
-    from draftlab.export import export_vllm, served_draft_length, vllm_speculative_config
-    from draftlab.storage import local_copy
+    from draftlab.export import export_vllm, served_draft_length, vllm_speculative_config  # noqa: PLC0415 -- torch
 
     out = export_vllm(a.drafter, a.out)
     k = served_draft_length(local_copy(a.drafter))
@@ -388,7 +379,7 @@ def _export(a: argparse.Namespace) -> None:
 
 
 def _bench(a: argparse.Namespace) -> None:
-    from draftlab.bench import render_table, run_bench
+    from draftlab.bench import render_table, run_bench  # noqa: PLC0415 -- torch
 
     cfg = BenchConfig(
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
@@ -404,7 +395,7 @@ def _bench(a: argparse.Namespace) -> None:
 
 
 def _profile(a: argparse.Namespace) -> None:
-    from draftlab.profiling import run_profile
+    from draftlab.profiling import run_profile  # noqa: PLC0415 -- torch
 
     lists = {name: getattr(a, name) for name in ("new_tokens", "trees", "depths", "ks") if getattr(a, name) is not None}
     cfg = ProfileConfig(target=_target(a), context=a.context, repeats=a.repeats, json_out=a.json_out, **lists)

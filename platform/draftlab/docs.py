@@ -18,6 +18,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from draftlab.generated import sync
+
 REPO_ROOT = Path(__file__).parents[2]  # platform/draftlab/docs.py -> the repository
 
 MODELS: tuple[tuple[str, str, str], ...] = (
@@ -167,8 +169,6 @@ def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     """Rewrite every generated file under `root` that differs from its rendering; returns
     the changed paths (relative to `root`). `check=True` writes nothing and returns the
     stale ones."""
-    from draftlab.generated import sync
-
     renders = {rel: (lambda render=render: render()) for rel, render in GENERATED.items()}
     renders |= {rel: (lambda rel=rel, fill=fill: fill((Path(root) / rel).read_text()))
                 for rel, fill in BLOCKS.items() if (Path(root) / rel).is_file()}

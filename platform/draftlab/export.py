@@ -31,6 +31,7 @@ from draftlab.decoding.tree import load_tree
 from draftlab.decoding.tree_search import static_equivalent
 from draftlab.models.drafters.build import load_drafter
 from draftlab.models.drafters.network import DrafterNet
+from draftlab.models.presets import PRESETS, cache_dir
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
 
@@ -157,8 +158,6 @@ def vllm_speculative_config(export_dir: str | Path, k: int) -> dict:
 def vllm_target_dir(target: Target | TargetSpec | str) -> str:
     """What vLLM loads as the target: the HF directory of a preset (tiny test presets are
     saved once under the cache), a local HF directory, or a hub id as given."""
-    from draftlab.models.presets import PRESETS, cache_dir
-
     name = target if isinstance(target, str) else target.name
     if name not in PRESETS:
         if name.endswith(".gguf"):

@@ -21,6 +21,11 @@ import re
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
+
+from draftlab.config import ConfigError, format_validation_error, read_mapping
+from draftlab.generated import sync
+from draftlab.serve.control import builder_args
 
 REPO_ROOT = Path(__file__).parents[2]  # platform/draftlab/infra.py -> the repository
 CLUSTER_FILE = "infra/k8s/raycluster.yaml"
@@ -62,11 +67,6 @@ def serve_port(spec: dict) -> int:
 
 
 def _validated_apps(serving_file: Path, doc: dict) -> list[dict]:
-    from pydantic import ValidationError
-
-    from draftlab.config import ConfigError, format_validation_error
-    from draftlab.serve.control import builder_args
-
     apps = doc.get("applications")
     if not isinstance(apps, list) or not apps:
         raise ConfigError(f"{serving_file}: expected an `applications:` list (a Ray Serve config file)")
@@ -84,8 +84,6 @@ def _validated_apps(serving_file: Path, doc: dict) -> list[dict]:
 
 def on_cluster(serving_file: Path) -> bool:
     """Whether the cluster's image can serve the file: anything but a vLLM app on CPU."""
-    from draftlab.config import read_mapping
-
     return not any(app.get("import_path") == VLLM_BUILDER and (app.get("args") or {}).get("accelerator", "cpu") == "cpu"
                    for app in read_mapping(serving_file).get("applications") or [])
 
@@ -105,8 +103,6 @@ def output_path(serving_file: Path) -> str:
 def render_rayservice(serving_file: Path, root: Path = REPO_ROOT) -> str:
     """The RayService manifest of a Serve config file (args validated: errors name the file
     and field), with the cluster of `root`'s `infra/k8s/raycluster.yaml`."""
-    from draftlab.config import read_mapping
-
     serving_file, root = Path(serving_file), Path(root)
     doc = read_mapping(serving_file)
     apps = _validated_apps(serving_file, doc)
@@ -146,7 +142,6 @@ def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     `check=True` writes nothing and returns the stale or missing ones."""
     root = Path(root)
     wanted = {output_path(p): p for p in sorted((root / "serving").glob("*.yaml")) if on_cluster(p)}
-    from draftlab.generated import sync
 
     changed = sync(root, {rel: (lambda s=source: render_rayservice(s, root)) for rel, source in wanted.items()}, check)
     for path in sorted((root / OUT_DIR).glob("rayservice-*.yaml")):

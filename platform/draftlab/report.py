@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftlab.sweep.report import figure, finish, write_plots
+from draftlab.tracking import Tracker
+
 RUN_ID = re.compile(r"[0-9a-f]{32}")  # what MLflow run ids look like
 # The artifacts a report reads (a distillation run's drafter/ weights are not downloaded).
 RUN_ARTIFACTS = ("summary.json", "bench.json", "profile.json", "training.json", "sweep", "results")
@@ -56,7 +59,6 @@ def write_report(source: str, out_dir: str | None = None, tracking_uri: str | No
         raise ValueError(f"report source {source!r} is neither a directory nor an MLflow run id: pass a sweep "
                          f"directory (<storage>/sweeps/<name>), a pipeline directory (.draftlab/pipelines/<name>) "
                          f"or a run id (32 hex characters)")
-    from draftlab.tracking import Tracker
 
     tracker = Tracker(tracking_uri, run_id=source)
     if not tracker.run_exists():
@@ -80,8 +82,6 @@ def _write(root: Path, label: str, out: Path, tracking_uri: str | None, log: boo
     result = {"html": str(out / "report.html"), "markdown": str(out / "report.md"), "logged_to": None}
     run_id = run_id or (inputs["pipeline"] or {}).get("mlflow_run_id") or (inputs["sweep"] or {}).get("mlflow_parent_run_id")
     if log and run_id:
-        from draftlab.tracking import Tracker
-
         tracker = Tracker(tracking_uri, run_id=run_id)
         if tracker.run_exists():  # a directory copied from another machine may name a run not in this store
             tracker.log_artifacts(out, "report")
@@ -196,7 +196,6 @@ def _sweep(sweep: dict, src: Path, plots: Path) -> list[tuple]:
         for name in SWEEP_PLOTS:
             shutil.copyfile(src / name, plots / name)
     else:  # a summary without its plots (copied alone): draw them again from the rows
-        from draftlab.sweep.report import write_plots
 
         write_plots(rows, plots)
     return blocks + [("img", plots / name, name.removesuffix(".png").replace("_", " ")) for name in SWEEP_PLOTS]
@@ -276,8 +275,6 @@ def _training(curve: dict, plots: Path) -> list[tuple]:
 
 
 def _training_plot(evals: list[dict], path: Path) -> Path:
-    from draftlab.sweep.report import figure, finish
-
     plt, fig, axes = figure(ncols=2)
     for ax, x, label in ((axes[0], "minutes", "training minutes"), (axes[1], "tokens", "training tokens")):
         xs = [e[x] for e in evals]
@@ -305,9 +302,7 @@ def _profile(prof: dict, plots: Path) -> list[tuple]:
 
 
 def _profile_plot(prof: dict, path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator
-
-    from draftlab.sweep.report import figure, finish
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 -- matplotlib: `draftlab --help` imports this module (cli)
 
     plt, fig, (left, right) = figure(ncols=2)
     t = prof.get("target_forward_ms") or {}

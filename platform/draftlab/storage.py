@@ -9,6 +9,9 @@ relative local path `s3:/b/x`.
 Writers build a directory locally and `publish` it. Readers call `local_copy`: transformers,
 torch and safetensors read local files, so a URI is mirrored into a cache directory (kept
 per URI, refreshed file by file when the stored size or modification time changes).
+
+pyarrow (~0.1 s) is imported for URIs only, and `models.presets` (torch) for a mirror's
+directory only: `draftlab --help` imports this module (cli; serve.control -> serve.pair).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import hashlib
 import json
 import posixpath
 from pathlib import Path
+
+from filelock import FileLock
 
 # Written last into a mirror: the stored (size, mtime) of every file it holds.
 MIRROR_INDEX = ".draftlab-mirror.json"
@@ -39,8 +44,9 @@ def join(root: str | Path, *parts: str) -> str:
 
 def _filesystem(uri: str):
     """(pyarrow filesystem, path inside it) for `uri`."""
-    import pyarrow
-    from pyarrow.fs import FileSystem
+    # pyarrow: URIs only (module docstring)
+    import pyarrow  # noqa: PLC0415
+    from pyarrow.fs import FileSystem  # noqa: PLC0415
 
     try:
         return FileSystem.from_uri(uri)
@@ -52,7 +58,7 @@ def exists(path: str | Path) -> bool:
     """`path` is a file or a non-empty directory (local or at a URI)."""
     if not is_uri(path):
         return Path(path).exists()
-    from pyarrow.fs import FileType
+    from pyarrow.fs import FileType  # noqa: PLC0415 -- pyarrow: URIs only (module docstring)
 
     fs, root = _filesystem(str(path))
     return fs.get_file_info(root).type != FileType.NotFound
@@ -61,7 +67,7 @@ def exists(path: str | Path) -> bool:
 def publish(local_dir: str | Path, dest: str, names: list[str] | None = None) -> str:
     """Copy `local_dir`'s files (only `names`, when given) to the URI `dest`; returns `dest`.
     Stored files of the same name are replaced; others are kept."""
-    from pyarrow.fs import LocalFileSystem, copy_files
+    from pyarrow.fs import LocalFileSystem, copy_files  # noqa: PLC0415 -- pyarrow: URIs only (module docstring)
 
     fs, root = _filesystem(dest)
     local_dir = Path(local_dir).resolve()
@@ -77,7 +83,7 @@ def publish(local_dir: str | Path, dest: str, names: list[str] | None = None) ->
 
 def mirror_dir(uri: str) -> Path:
     """The local cache directory that mirrors `uri` (under `$DRAFTLAB_CACHE/storage`)."""
-    from draftlab.models.presets import cache_dir
+    from draftlab.models.presets import cache_dir  # noqa: PLC0415 -- models.presets imports torch (module docstring)
 
     digest = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
     return cache_dir() / "storage" / f"{posixpath.basename(uri.rstrip('/'))}-{digest}"
@@ -88,8 +94,7 @@ def local_copy(path: str | Path) -> Path:
     mirror, brought up to date with what is stored at the URI now."""
     if not is_uri(path):
         return Path(path)
-    from filelock import FileLock
-    from pyarrow.fs import FileSelector, FileType, LocalFileSystem, copy_files
+    from pyarrow.fs import FileSelector, FileType, LocalFileSystem, copy_files  # noqa: PLC0415 -- pyarrow: URIs only (module docstring)
 
     uri = str(path)
     fs, root = _filesystem(uri)

@@ -9,12 +9,19 @@ The job runs `python <entrypoint> -c CONFIG [overrides]` in the uploaded repo (t
 as a `py_module`, so the cluster runs this checkout's code even where an older draftlab is
 installed in the image; `--pip` also installs the project's requirements on the cluster
 (torch excluded: it comes with the image's CUDA stack).
+
+Ray's job SDK and huggingface_hub are imported by the functions that use them:
+`draftlab --help` imports this module (cli).
 """
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import hashlib
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -55,7 +62,7 @@ def runtime_env(pip: bool = False, env_vars: dict[str, str] | None = None, root:
 
 
 def client(addr: str | None):
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # noqa: PLC0415 -- ray.job_submission (~1.5 s): see the module docstring
 
     url = address(addr)
     try:
@@ -84,8 +91,6 @@ def staged_config(cfg: Path, root: Path = ROOT) -> Path:
 
 def _git_exclude(root: Path, pattern: str) -> None:
     """Add `pattern` to the checkout's `info/exclude` (worktrees included); no git, no-op."""
-    import subprocess
-
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--git-path", "info/exclude"],
                              capture_output=True, text=True, check=True).stdout.strip()
@@ -109,7 +114,7 @@ def check_hub_access(target: TargetSpec, source: PromptSourceConfig | None = Non
         gated.append(f"data.source.path {source.gated_repo()!r}")
     if not gated:
         return
-    from huggingface_hub import get_token
+    from huggingface_hub import get_token  # noqa: PLC0415 -- huggingface_hub (~50 ms): see the module docstring
 
     if not get_token():
         raise ConfigError(
@@ -142,8 +147,6 @@ def list_jobs(addr: str | None = None) -> list[dict]:
 
 
 def format_jobs(rows: list[dict]) -> str:
-    import datetime as dt
-
     lines = [f"{'job id':<30} {'status':<10} {'kind':<9} {'started':<20} entrypoint"]
     for r in rows:
         started = dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S") if r["start_time"] else ""
@@ -153,9 +156,6 @@ def format_jobs(rows: list[dict]) -> str:
 
 def logs(job_id: str, addr: str | None = None, follow: bool = False) -> None:
     """Print the job's logs (`follow`: stream them until the job ends)."""
-    import asyncio
-    import sys
-
     c = client(addr)
     status(job_id, addr)  # an unknown id fails here, clearly
     if not follow:

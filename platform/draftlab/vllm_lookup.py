@@ -60,7 +60,7 @@ def __getattr__(name: str):
 
 
 def _lookup_scheduler() -> type:
-    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415 -- vLLM: an optional extra, needed once vLLM resolves the scheduler
 
     class LookupScheduler(Scheduler):
         """vLLM's scheduler, with each step's drafts merged with prompt lookups (module doc)."""

@@ -65,7 +65,7 @@ _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 def require_vllm() -> str:
     """vLLM's version, or an ImportError that says how to install it."""
     try:
-        import vllm
+        import vllm  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
     except ImportError as e:
         raise ImportError(f"vLLM is not installed ({e}); {INSTALL_HINT}") from None
     return vllm.__version__
@@ -185,7 +185,7 @@ class VllmEngine:
 
     def __enter__(self) -> VllmEngine:
         require_vllm()
-        from vllm import LLM
+        from vllm import LLM  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
 
         # Defaults only: what the caller's environment sets wins (an explicit in_process wins).
         self._saved_env = {k: os.environ.get(k) for k in self.env}
@@ -237,7 +237,7 @@ class VllmEngine:
         """Decode prompts of token ids together (vLLM batches up to `max_num_seqs`): the new
         ids of each, in order, the stopping token included. Greedy at temperature 0; prompt
         i samples with `seeds[i]` (its output then depends on nothing else in the batch)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams, TokensPrompt  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
 
         if self.llm is None:
             raise RuntimeError("VllmEngine.generate_many outside `with VllmEngine(...)`")
@@ -262,7 +262,7 @@ class VllmEngine:
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
                 # In-process, the worker's world-size-1 process group lives in this process
                 # and must go before the next engine initialises its own.
-                from vllm.distributed import parallel_state
+                from vllm.distributed import parallel_state  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
 
                 parallel_state.destroy_model_parallel()
                 parallel_state.destroy_distributed_environment()

@@ -8,7 +8,7 @@ name the field (and, via :func:`load_yaml`, the file) so a typo fails before any
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -27,8 +27,6 @@ def unset(value) -> bool:
 
 def _section(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
     """The (nested) model that the path `loc` points into, if it is a model."""
-    from typing import get_args
-
     for part in loc:
         if model is None:
             return None

@@ -36,10 +36,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from draftlab.config import DataConfig, PromptSourceConfig
 from draftlab.data.sources import PromptList
+from draftlab.models.presets import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,6 @@ def dataset_key(data: DataConfig, target_fingerprint: str) -> str:
 
 
 def cache_root(data: DataConfig) -> Path:
-    from draftlab.models.presets import cache_dir
-
     return Path(data.cache_dir).expanduser() if data.cache_dir else cache_dir() / "data"
 
 
@@ -108,8 +108,6 @@ def shard_dir(work_dir: Path, index: int) -> Path:
 @contextlib.contextmanager
 def exclusive(root: Path) -> Iterator[None]:
     """One driver per key at a time; a second one waits, then finds the finished dataset."""
-    from filelock import FileLock, Timeout
-
     lock = FileLock(str(root) + ".lock")
     try:
         lock.acquire(timeout=0)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import torch
 from tqdm import tqdm
 from transformers import LogitsProcessorList
@@ -145,8 +146,6 @@ def _describe(cfg: PromptSourceConfig) -> str:
 def _open_dataset(cfg: PromptSourceConfig):
     """A `datasets.Dataset` for a hub name, a local file (builder from its extension), a
     `save_to_disk` directory, or any other directory `datasets` understands."""
-    import datasets
-
     if not cfg.path:
         raise ValueError("prompt source kind 'dataset' needs source.path (hub name or local file/dir)")
     path = Path(cfg.path).expanduser()

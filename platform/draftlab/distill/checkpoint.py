@@ -34,6 +34,7 @@ from pathlib import Path
 
 import ray.train
 import torch
+from pyarrow.fs import FileSelector, FileType
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -182,8 +183,6 @@ def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tupl
 def _older_checkpoints(ckpt: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
     """The run's other checkpoints older than `ckpt`, newest first (Ray names them
     `checkpoint_<date>`, so names sort by age; newer ones were never committed)."""
-    from pyarrow.fs import FileSelector, FileType
-
     parent, name = posixpath.split(ckpt.path.rstrip("/"))
     try:
         infos = ckpt.filesystem.get_file_info(FileSelector(parent))

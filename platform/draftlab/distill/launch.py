@@ -21,8 +21,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from draftlab.cluster import ensure_ray, output_dir, storage_uri
 from draftlab.config import DistillConfig
+from draftlab.data.selfdistill import load_or_generate
 from draftlab.distill.worker import train_fn_per_worker
 from draftlab.storage import is_uri, publish
+from draftlab.submit import check_hub_access
 from draftlab.tracking import (
     Tracker,
     TrackingUnavailable,
@@ -85,9 +87,6 @@ def registered_name(cfg: DistillConfig) -> str:
 
 def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
     """Generate or reuse the data, train with Ray Train, log to MLflow, register the drafter."""
-    from draftlab.data.selfdistill import load_or_generate
-    from draftlab.submit import check_hub_access
-
     check_hub_access(cfg.target, cfg.data.source)
     ensure_ray()
     t0 = time.perf_counter()

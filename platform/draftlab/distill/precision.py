@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftlab.models.target import cpu_has_fast_bf16
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -44,8 +46,6 @@ def resolve_precision(mode: str, device_type: str, bf16_supported: bool) -> Prec
 
 def precision_for(mode: str, device: torch.device) -> Precision:
     """`resolve_precision` for this process's training device (asks CUDA only on CUDA)."""
-    from draftlab.models.target import cpu_has_fast_bf16
-
     bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_fast_bf16()
     return resolve_precision(mode, device.type, bf16)
 

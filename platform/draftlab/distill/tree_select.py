@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from draftlab.cluster import output_dir
 from draftlab.config import DistillConfig, NgramSpec
+from draftlab.data.selfdistill import load_or_generate
 from draftlab.decoding.ngram import NgramStore, graft
 from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.decoding.tree_files import save_tree
@@ -200,9 +202,6 @@ def search_and_save(
 def choose_tree_for_run(cfg: DistillConfig, drafter_dir: str | None = None) -> dict:
     """`draftlab select-tree`: redo the end-of-training search for a trained drafter (default:
     the run's drafter directory) on its cached held-out data; returns the search report."""
-    from draftlab.cluster import output_dir
-    from draftlab.data.selfdistill import load_or_generate
-
     drafter_dir = drafter_dir or output_dir(cfg)
     local = local_copy(drafter_dir)
     target = load_target(cfg.target)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 SAMPLES_PER_TENSOR = 4096
 # safetensors dtype tag -> (numpy dtype with the same bytes, torch dtype to view them as)
@@ -101,8 +102,6 @@ def files_fingerprint(directory: Path, load_dtype: torch.dtype, samples_per_tens
     `lm_head.weight` to the embeddings). Raises `NotFromFiles` when the files do not map
     one to one (renamed or fused tensors, quantised weights): load the model then.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     headers = _headers(directory)
     config = AutoConfig.from_pretrained(directory)
     if getattr(config, "quantization_config", None):

@@ -18,6 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from draftlab.errors import DraftlabError
 
@@ -31,8 +40,6 @@ def cache_dir() -> Path:
 
 
 def _convert_smollm2(dest: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".smollm2-") as tmp:
         tmp = Path(tmp)
@@ -69,8 +76,6 @@ def _convert_smollm2(dest: Path) -> None:
 
 def _smollm2_files() -> Path:
     """The converted safetensors + tokenizer directory (converted once, under a file lock)."""
-    from filelock import FileLock
-
     dest = cache_dir() / "models" / "smollm2-135m"
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest) + ".lock"):
@@ -80,8 +85,6 @@ def _smollm2_files() -> Path:
 
 
 def _smollm2(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dest = _smollm2_files()
     tokenizer = AutoTokenizer.from_pretrained(dest)
     model = AutoModelForCausalLM.from_pretrained(dest, dtype=dtype)
@@ -98,9 +101,6 @@ _TINY_TEMPLATE = (
 
 
 def _char_tokenizer(chars: list[str], specials: list[str], eos: str | None):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {t: i for i, t in enumerate(specials + chars)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>" if "<unk>" in vocab else None))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -119,8 +119,6 @@ def _char_tokenizer(chars: list[str], specials: list[str], eos: str | None):
 def _tiny_llama(chars: list[str], specials: list[str], eos: str | None, init_range: float, seed: int,
                 hidden: int = 64, heads: int = 4, kv_heads: int = 2):
     def build(dtype: torch.dtype):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         tok = _char_tokenizer(chars, specials, eos)
         if "<assistant>" in specials:
             tok.chat_template = _TINY_TEMPLATE

@@ -63,7 +63,7 @@ def _find_ninja() -> None:
     interpreter, which is not on PATH when a venv's python runs without activation."""
     if shutil.which("ninja") is None:
         try:
-            import ninja
+            import ninja  # noqa: PLC0415 -- optional: without the wheel, ninja comes from PATH
         except ImportError:
             return
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
@@ -90,7 +90,7 @@ def _import_built(where: Path):
 def _build(where: Path):
     """Build into a fresh directory beside `where` and rename it into place; the caller holds
     the build lock, so leftovers of builds killed half-way are removed first."""
-    from torch.utils import cpp_extension  # heavy, and only needed here
+    from torch.utils import cpp_extension  # noqa: PLC0415 -- pulls in setuptools (~0.2 s); only a kernel build needs it
 
     _find_ninja()
     for stale in where.parent.glob(f"{where.name}.tmp-*"):

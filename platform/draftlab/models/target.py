@@ -10,13 +10,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from draftlab.config import TargetSpec
+from draftlab.decoding.cache import StackedCache
 from draftlab.errors import DraftlabError
 from draftlab.models import attention
 from draftlab.models.fingerprint import NotFromFiles, files_fingerprint, weights_fingerprint
+from draftlab.models.presets import PRESETS, available_presets, preset_files
 
 
 @dataclass
@@ -110,7 +120,6 @@ class Target:
         if len(items) == 1:
             ids, positions, cache, rows = items[0]
             return [self.forward(ids, positions, cache, rows, aux_layers)]
-        from draftlab.decoding.cache import StackedCache
 
         lengths = [ids.numel() for ids, *_ in items]
         rows_abs, offset = [], 0
@@ -250,8 +259,6 @@ def _contiguous_input(module: nn.Module, args: tuple) -> tuple:
 
 def load_target(spec: TargetSpec | str) -> Target:
     """Load a frozen target from a preset name, hub id, local directory or GGUF file."""
-    from draftlab.models.presets import PRESETS, available_presets
-
     spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
@@ -336,8 +343,6 @@ def _weights_dir(name: str) -> Path | None:
     """The directory holding a target's safetensors and tokenizer files, fetched if needed
     (files only: a hub id lands in the HF cache, where the workers on this node find it);
     None for GGUF files and in-memory presets."""
-    from draftlab.models.presets import PRESETS, preset_files
-
     if name in PRESETS:
         return preset_files(name)
     path = Path(name).expanduser()
@@ -345,7 +350,6 @@ def _weights_dir(name: str) -> Path | None:
         return None
     if path.exists() or name.startswith((".", "/", "~")):
         return path
-    from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
     return Path(snapshot_download(name, allow_patterns=patterns))
@@ -359,8 +363,6 @@ def describe_target(spec: TargetSpec | str) -> TargetInfo:
     weights for the dtype `spec` resolves to. GGUF files, in-memory presets and checkpoints
     whose tensors do not map one to one onto the model's are loaded on the CPU instead.
     """
-    from transformers import GenerationConfig
-
     spec = TargetSpec(name=spec) if isinstance(spec, str) else spec
     directory = _weights_dir(spec.name)
     if directory is not None:
@@ -378,7 +380,6 @@ def describe_target(spec: TargetSpec | str) -> TargetInfo:
     try:
         generation_config = GenerationConfig.from_pretrained(directory)
     except OSError:  # no generation_config.json: transformers derives one from config.json
-        from transformers import AutoConfig
 
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))
     return TargetInfo(spec.name, tokenizer, fingerprint, _eos_ids(generation_config, tokenizer))

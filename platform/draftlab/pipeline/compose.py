@@ -28,6 +28,7 @@ from draftlab.config import (
     read_mapping,
 )
 from draftlab.pipeline.config import PipelineConfig
+from draftlab.serve.control import load_serve_config
 from draftlab.sweep.space import SweepConfig, sweep_base, trial_config
 
 
@@ -86,8 +87,6 @@ class Pipeline:
 def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
     """Validate the pipeline file and everything it names (errors name file and field), and
     resolve it into the baseline, the sweep with its trials' base, and the Serve spec."""
-    from draftlab.serve.control import load_serve_config
-
     source = Path(path)
     cfg = load_yaml(PipelineConfig, source, overrides)
     distill_file = _find(cfg.distill, source, "distill")

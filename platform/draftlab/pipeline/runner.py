@@ -32,13 +32,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
 import torch
+from ray import serve
+from ray._private.worker import get_dashboard_url
+from rich.console import Console
 
+from draftlab.cluster import storage_uri
 from draftlab.config import TargetSpec
 from draftlab.errors import DraftlabError
+from draftlab.models.target import resolve_device, resolve_dtype
 from draftlab.pipeline import stages
 from draftlab.pipeline.compose import Pipeline, load_pipeline
+from draftlab.serve.control import example_curl
 from draftlab.storage import exists
+from draftlab.submit import check_hub_access
+from draftlab.tracking import Tracker, resolve_tracking_uri
 
 
 def fingerprint(obj) -> str:
@@ -109,13 +118,9 @@ class PipelineRun:
 
     @property
     def storage(self) -> str:
-        from draftlab.cluster import storage_uri
-
         return storage_uri(self.p.distill.storage_path)
 
     def run_stage(self, i: int, stage: Stage) -> None:
-        from rich.console import Console
-
         console = Console(stderr=True)
         record = self.dir / "stages" / f"{stage.name}.json"
         fp = fingerprint(stage.inputs(self))
@@ -149,7 +154,6 @@ class PipelineRun:
         if not record.is_file():
             return
         app = json.loads(record.read_text())["outputs"]["app"]
-        from ray import serve
 
         if stages.serving(self, {"app": app}):
             if self.progress:
@@ -203,9 +207,6 @@ def connect_cluster(log_file: Path, progress: bool = True) -> dict:
     banner, connection notices) goes to `log_file`, and the job's workers draw no progress
     bars: the console keeps the stages, their progress (the trainer prints a line per
     evaluation) and the summary."""
-    import ray
-    from ray._private.worker import get_dashboard_url
-
     def init(address: str) -> None:
         ray.init(address=address, log_to_driver=True, configure_logging=False,
                  runtime_env={"env_vars": QUIET_WORKERS})
@@ -241,8 +242,6 @@ def float32_note(target: TargetSpec) -> str | None:
     """A warning for CPUs where `dtype: auto` runs the target in float32 (no AMX or AVX512-BF16):
     the embedded budgets were measured with a bf16 target, and every stage that generates or
     benches takes several times longer there; None elsewhere."""
-    from draftlab.models.target import resolve_device, resolve_dtype
-
     device = resolve_device(target.device)
     if target.dtype != "auto" or device.type != "cpu" or resolve_dtype("auto", device) != torch.float32:
         return None
@@ -254,9 +253,6 @@ def float32_note(target: TargetSpec) -> str | None:
 
 def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
     """Run (or continue) the pipeline of `path`; returns the summary."""
-    from draftlab.submit import check_hub_access
-    from draftlab.tracking import Tracker, resolve_tracking_uri
-
     p = load_pipeline(path, overrides)
     check_hub_access(p.distill.target, p.distill.data.source)
     note = float32_note(p.distill.target)
@@ -291,8 +287,6 @@ def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool
 
 def format_summary(s: dict) -> str:
     """The final summary: stages, champion, figures, endpoint, where to look."""
-    from draftlab.serve.control import example_curl
-
     lines = [f"pipeline {s['name']}: stages"]
     for name, st in s["stages"].items():
         wall = f"{st['wall_s']:.0f} s" if isinstance(st.get("wall_s"), float) else "-"

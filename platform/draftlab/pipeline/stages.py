@@ -12,8 +12,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftlab.config import BenchConfig, ConfigError, ProfileConfig
+import httpx
+import ray
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from draftlab.bench import run_bench
+from draftlab.config import BenchConfig, ConfigError, ProfileConfig, ServeArgs
+from draftlab.data.selfdistill import load_or_generate
+from draftlab.distill.launch import registered_name, run_distill
 from draftlab.errors import DraftlabError
+from draftlab.profiling import run_profile
+from draftlab.report import write_report
+from draftlab.serve.control import deploy
+from draftlab.serve.pair import resolve_pair
+from draftlab.sweep.runner import STATE_FILE, resume_sweep, start_sweep
+from draftlab.tracking import promote as promote_run
 
 if TYPE_CHECKING:
     from draftlab.pipeline.runner import PipelineRun
@@ -24,8 +38,6 @@ class StageFailed(DraftlabError):
 
 
 def data(run: PipelineRun) -> dict:
-    from draftlab.data.selfdistill import load_or_generate
-
     cfg = run.p.distill
     ds = load_or_generate(cfg.data, cfg.target, progress=run.progress)
     # load_from_disk maps <dataset>/<split>/data-*.arrow
@@ -34,8 +46,6 @@ def data(run: PipelineRun) -> dict:
 
 
 def distill(run: PipelineRun) -> dict:
-    from draftlab.distill.launch import run_distill
-
     cfg = run.p.distill
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"parent_run_id": run.parent_id})})
     s = run_distill(cfg, progress=run.progress)
@@ -45,8 +55,6 @@ def distill(run: PipelineRun) -> dict:
 
 
 def sweep(run: PipelineRun) -> dict:
-    from draftlab.sweep.runner import STATE_FILE, resume_sweep, start_sweep
-
     p = run.p
     base = p.sweep_base(run.parent_id)
     exp_dir = Path(run.storage) / "sweeps" / p.sweep.name
@@ -81,9 +89,6 @@ def candidates(run: PipelineRun) -> list[dict]:
 
 
 def promote(run: PipelineRun) -> dict:
-    from draftlab.distill.launch import registered_name
-    from draftlab.tracking import promote as promote_run
-
     best = max(candidates(run), key=lambda c: c["speedup_vs_ar"] or 0.0)
     out = promote_run(best["mlflow_run_id"], registered_name(run.p.distill), tracking_uri=run.tracking_uri)
     return best | out | {"model_uri": f"models:/{out['model']}@{out['alias']}"}
@@ -91,9 +96,6 @@ def promote(run: PipelineRun) -> dict:
 
 def champion_is_current(run: PipelineRun, outputs: dict) -> bool:
     """The registry still gives the alias to the version this stage promoted."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
     try:
         mv = MlflowClient(tracking_uri=run.tracking_uri).get_model_version_by_alias(outputs["model"], outputs["alias"])
     except MlflowException:
@@ -103,19 +105,12 @@ def champion_is_current(run: PipelineRun, outputs: dict) -> bool:
 
 def _compare_task(bench: dict, profile: dict, model_uri: str, tracking_uri: str) -> tuple[dict, dict]:
     """On a worker with the training's resources: the champion as served, side by side."""
-    from draftlab.bench import run_bench
-    from draftlab.config import ServeArgs
-    from draftlab.profiling import run_profile
-    from draftlab.serve.pair import resolve_pair
-
     pair = resolve_pair(ServeArgs(model_uri=model_uri, tracking_uri=tracking_uri, target=bench["target"]))
     report = run_bench(BenchConfig.model_validate(bench | {"drafter": pair.drafter}), progress=False)
     return report, run_profile(ProfileConfig.model_validate(profile))
 
 
 def compare(run: PipelineRun) -> dict:
-    import ray
-
     cfg, c, champ = run.p.distill, run.p.cfg.compare, run.outputs["promote"]
     bench = BenchConfig(target=cfg.target, drafter=None, limit=c.limit, max_new_tokens=c.max_new_tokens,
                         methods=c.methods).model_dump(mode="json")
@@ -138,8 +133,6 @@ def compare(run: PipelineRun) -> dict:
 
 
 def serve(run: PipelineRun) -> dict:
-    from draftlab.serve.control import deploy
-
     champ = run.outputs["promote"]
     return deploy(run.p.serve_spec(champ["model_uri"], run.tracking_uri), blocking=False, progress=run.progress) \
         | {"version": champ["version"]}
@@ -147,7 +140,7 @@ def serve(run: PipelineRun) -> dict:
 
 def serving(run: PipelineRun, outputs: dict) -> bool:
     """The application is up (a fresh cluster has lost it: deploy again)."""
-    from ray import serve
+    from ray import serve  # noqa: PLC0415 -- at the top, the serve stage above would shadow it
 
     try:
         app = serve.status().applications.get(outputs["app"])
@@ -157,8 +150,6 @@ def serving(run: PipelineRun, outputs: dict) -> bool:
 
 
 def smoke(run: PipelineRun) -> dict:
-    import httpx
-
     ep, s = run.outputs["serve"], run.p.cfg.smoke
     body = {"model": ep["model"], "messages": [{"role": "user", "content": s.prompt}], "max_tokens": s.max_tokens,
             "temperature": 0}
@@ -179,7 +170,5 @@ def smoke(run: PipelineRun) -> dict:
 
 
 def report(run: PipelineRun) -> dict:
-    from draftlab.report import write_report
-
     run.write_summary()
     return write_report(str(run.dir), tracking_uri=run.tracking_uri, log=True)

@@ -8,6 +8,10 @@
 The cluster is `RAY_ADDRESS`, else one already running on this machine (`ray start --head`,
 or another `draftlab serve`), else a local instance started here; with that local instance
 the command stays in the foreground (Ctrl-C stops it), like `serve run`.
+
+Ray (and `serve.vllm_app`, which imports Ray Serve) is imported by the functions that talk to
+the cluster: `draftlab --help` (cli), `draftlab generate` (infra) and the pipeline's compose
+import this module to validate serving files.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import get_type_hints
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from draftlab.config import ConfigError, format_validation_error, read_mapping
+from draftlab.serve.pair import model_version
 
 DEFAULT_APP = "draftlab"
 
@@ -29,8 +35,6 @@ DEFAULT_APP = "draftlab"
 def load_serve_config(path: str | Path) -> dict:
     """A Serve config file's first draftlab application and http options, args validated
     (errors name the file and the field)."""
-    from pydantic import ValidationError
-
     doc = read_mapping(path)
     apps = doc.get("applications")
     if not isinstance(apps, list) or not apps:
@@ -58,8 +62,6 @@ def load_serve_config(path: str | Path) -> dict:
 def builder_args(builder, where: str = "builder") -> type[BaseModel]:
     """The args model of a typed builder (`build_app(args: ServeArgs)`, `build_vllm_app(args:
     VllmServeArgs)`): its parameter's annotation, as Serve reads it for `args:`."""
-    from typing import get_type_hints
-
     hints = {k: v for k, v in get_type_hints(builder).items() if k != "return"}
     model = next(iter(hints.values()), None)
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
@@ -70,7 +72,7 @@ def builder_args(builder, where: str = "builder") -> type[BaseModel]:
 def connect(start_local: bool) -> bool:
     """Join RAY_ADDRESS or a running cluster; else start a local one if allowed. Returns
     True when this process started (and so owns) the instance."""
-    import ray
+    import ray  # noqa: PLC0415 -- Ray: see the module docstring
 
     if ray.is_initialized():
         return False
@@ -89,10 +91,9 @@ def connect(start_local: bool) -> bool:
 def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> dict:
     """Deploy `spec` (from `load_serve_config` or the CLI flags); returns URL and status.
     `blocking` None = stay in the foreground only if this process started the cluster."""
-    from ray import serve
+    from ray import serve  # noqa: PLC0415 -- Ray: see the module docstring
 
-    from draftlab.serve.pair import model_version
-    from draftlab.serve.vllm_app import VllmServeArgs
+    from draftlab.serve.vllm_app import VllmServeArgs  # noqa: PLC0415 -- it imports Ray Serve: see the module docstring
 
     vllm = isinstance(spec["args"], VllmServeArgs)  # Ray Serve LLM's app: no `info` method
     if spec["args"].drafter is None and not (vllm and spec["args"].speculation == "off"):
@@ -136,7 +137,7 @@ def example_curl(url: str, model: str, auth: bool) -> str:
 
 def status() -> dict:
     """Applications, their deployments and replica counts (needs a running cluster)."""
-    from ray import serve
+    from ray import serve  # noqa: PLC0415 -- Ray: see the module docstring
 
     connect(start_local=False)
     st = serve.status()
@@ -148,7 +149,7 @@ def status() -> dict:
 
 
 def shutdown(name: str | None = None) -> str:
-    from ray import serve
+    from ray import serve  # noqa: PLC0415 -- Ray: see the module docstring
 
     connect(start_local=False)
     if name:

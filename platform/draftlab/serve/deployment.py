@@ -10,18 +10,27 @@ hidden states), a decoding thread (`Scheduler`) and Ray metrics.
 
 Metrics (Ray's Prometheus exporter, `ray_draftlab_*`): requests by status, generated
 tokens, tau per request, end-to-end latency, queue length and active requests.
+
+torch and the model stack are imported inside `DraftEngine` (and `build_policy`, which it
+calls): the engine replica loads them; the ingress replica, the app builder (`serve.app`)
+and `draftlab serve` import this module without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from pathlib import Path
 
 from ray import serve
+from ray.serve import metrics as m
 
 from draftlab.config import SamplingParams, ServeArgs
+from draftlab.serve.pair import resolve_pair
 from draftlab.serve.policy import SpeculationPolicy
+from draftlab.storage import local_copy
 
 log = logging.getLogger(__name__)
 HEALTH_STALL_S = 60.0  # a replica with work that has not finished a round for this long is stuck
@@ -31,8 +40,6 @@ LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 
 class _Metrics:
     def __init__(self):
-        from ray.serve import metrics as m
-
         self.requests = m.Counter("draftlab_requests", "Finished requests by status.", tag_keys=("status",))
         self.tokens = m.Counter("draftlab_generated_tokens", "Completion tokens generated.")
         self.tau = m.Histogram("draftlab_tau", "Tokens per target forward, per request.", boundaries=TAU_BOUNDARIES)
@@ -46,11 +53,9 @@ class _Metrics:
 def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> SpeculationPolicy:
     """The `auto` policy's inputs measured on this replica: target forward cost by row count
     (up to a full batch of trees), drafting time, and the drafter's expected tau."""
-    import json
-    from pathlib import Path
-
-    from draftlab.decoding.tree_search import expected_accepted, static_equivalent
-    from draftlab.profiling import draft_ms, profile_target
+    # torch: the engine replica only (module docstring)
+    from draftlab.decoding.tree_search import expected_accepted, static_equivalent  # noqa: PLC0415
+    from draftlab.profiling import draft_ms, profile_target  # noqa: PLC0415
 
     rows = (tree.per_round or tree.num_nodes) + 1  # a per-round tree verifies per_round nodes
     sizes = sorted({1, rows} | {n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < eng.max_active * rows}
@@ -70,14 +75,13 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
 @serve.deployment(name="DraftEngine")
 class DraftEngine:
     def __init__(self, args: dict):
-        from draftlab.decoding.engine import SpeculativeDecoder
-        from draftlab.decoding.ngram import NgramStore
-        from draftlab.decoding.tree_files import resolve_tree
-        from draftlab.models.drafters.build import resolve_drafter
-        from draftlab.models.target import load_target
-        from draftlab.serve.pair import resolve_pair
-        from draftlab.serve.scheduler import Scheduler
-        from draftlab.storage import local_copy
+        # torch: the engine replica only (module docstring)
+        from draftlab.decoding.engine import SpeculativeDecoder  # noqa: PLC0415
+        from draftlab.decoding.ngram import NgramStore  # noqa: PLC0415
+        from draftlab.decoding.tree_files import resolve_tree  # noqa: PLC0415
+        from draftlab.models.drafters.build import resolve_drafter  # noqa: PLC0415
+        from draftlab.models.target import load_target  # noqa: PLC0415
+        from draftlab.serve.scheduler import Scheduler  # noqa: PLC0415
 
         self.args = ServeArgs.model_validate(args)
         pair = resolve_pair(self.args)
@@ -156,7 +160,7 @@ class DraftEngine:
             yield event
 
     async def _decode(self, ids: list[int], params: SamplingParams, speculation: str | None, internal: bool = False):
-        from draftlab.serve.scheduler import ShuttingDown
+        from draftlab.serve.scheduler import ShuttingDown  # noqa: PLC0415 -- torch: the engine replica only (module docstring)
 
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 

@@ -21,8 +21,10 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import psutil
 
 from draftlab.config import LoadtestConfig
 from draftlab.data.prompts import load_prompts
@@ -83,8 +85,6 @@ async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, messa
 
 def replica_rss_mb() -> dict[str, float]:
     """Resident memory of this machine's Ray Serve replica processes, by pid."""
-    import psutil
-
     out = {}
     for p in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
         title = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
@@ -197,8 +197,6 @@ def run_loadtest(cfg: LoadtestConfig, progress: bool = True) -> dict:
     except httpx.ConnectError as e:
         raise ConnectionError(f"cannot reach {cfg.url} ({e}): is `draftlab serve` running?") from None
     if cfg.json_out:
-        from pathlib import Path
-
         Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")
     return report
 

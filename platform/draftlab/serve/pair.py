@@ -7,6 +7,9 @@
 A registered version's `drafter` artifact is downloaded (cached by MLflow under a temp
 dir per replica); its `config.json` names the target it was trained for and its
 `tree.json` the tree it verifies with, unless the serve args override them.
+
+mlflow is imported for a models:/ URI only: `draftlab --help` imports this module (cli ->
+serve.control).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
 def model_version(args: ServeArgs):
     """The registered version `args` names (no download): (uri, tracking uri, version).
     Raises ConfigError naming the URI and the store when it does not exist."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the module docstring
 
     uri = args.model_uri or default_model_uri(args)
     name, alias, version = _parse_models_uri(uri)
@@ -66,7 +69,7 @@ def resolve_pair(args: ServeArgs) -> Pair:
     if args.drafter is not None:  # a URI (s3://...) is served from its local mirror
         local = str(local_copy(args.drafter)) if is_uri(args.drafter) else args.drafter
         return Pair(args.target, local, {"drafter": args.drafter})
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow: see the module docstring
 
     uri, tracking, mv = model_version(args)
     dest = Path(tempfile.mkdtemp(prefix="draftlab-serve-"))

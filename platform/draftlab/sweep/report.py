@@ -36,10 +36,10 @@ def pareto_front(rows: list[dict]) -> list[dict]:
 
 def figure(ncols: int = 1):
     """(pyplot, figure, axes): one 6x4 in panel per column, for files only (Agg)."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 -- matplotlib: `draftlab --help` imports this module (cli -> report)
 
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- after `use("Agg")`
 
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4))
     return plt, fig, axes

@@ -17,11 +17,23 @@ import json
 import time
 from pathlib import Path
 
+import ray
+from optuna.samplers import TPESampler
 from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.optuna import OptunaSearch
+from rich.console import Console
+from rich.table import Table
 
+from draftlab.cluster import ensure_ray, storage_uri
 from draftlab.config import ConfigError
+from draftlab.data.selfdistill import load_or_generate
+from draftlab.distill.launch import registered_name
+from draftlab.submit import check_hub_access
+from draftlab.sweep.report import write_csv, write_plots
 from draftlab.sweep.space import SweepConfig, load_sweep, max_concurrency, param_space, trial_config
 from draftlab.sweep.trial import SweepContext, plan, run_trial, trial_run_name
+from draftlab.tracking import Tracker, parent_tags, promote, resolve_tracking_uri
 
 STATE_FILE = "sweep.json"
 TRIAL_MEMORY = 512 * 1024**2  # the coordinating trial process (imports torch, ray, mlflow)
@@ -66,8 +78,6 @@ class SweepCallback(tune.Callback):
     def _mark_stopped(self, trial, result: dict) -> None:
         """Its process is killed next: record why, for the trials sharing its training and
         on its MLflow run (which would otherwise stay RUNNING)."""
-        from draftlab.tracking import Tracker
-
         p = plan(trial.config, self.ctx)
         (p.dir / "stopped.json").write_text(json.dumps({
             "trial": trial.trial_id, "step": result.get("step"),
@@ -93,8 +103,6 @@ class SweepCallback(tune.Callback):
     def _show(self, force: bool = False) -> None:
         if not self.progress or (not force and time.monotonic() - self._printed < self.every_s):
             return
-        from rich.console import Console
-        from rich.table import Table
 
         table = Table(title=f"sweep {self.ctx.sweep}", show_lines=False)
         for col in ("trial", "K", "depth", "tree", "status", "step", "sim accept", "speedup"):
@@ -106,8 +114,6 @@ class SweepCallback(tune.Callback):
 
 
 def _paths(base: dict, name: str) -> tuple[Path, Path]:
-    from draftlab.cluster import storage_uri
-
     storage = storage_uri(base.get("storage_path", ".draftlab/ray"))
     if "://" in storage:  # Path() would fold it into a local `s3:/...` directory
         raise ConfigError(f"storage_path {storage!r}: a sweep coordinates its trials through file locks and "
@@ -123,15 +129,11 @@ def search_setup(sweep: SweepConfig, concurrency: int):
     num_samples = sweep.search.num_samples or max(8, 2 * concurrency)  # unset: two waves of the cluster, at least 8
     if sweep.search.algorithm == "random":
         return None, num_samples
-    from optuna.samplers import TPESampler
-    from ray.tune.search.optuna import OptunaSearch
 
     return OptunaSearch(metric="speedup_vs_ar", mode="max", sampler=TPESampler(seed=sweep.search.seed)), num_samples
 
 
 def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bool):
-    import ray
-
     cfg = trial_config(base, {})
     sc = cfg.scaling
     concurrency = sweep.search.max_concurrent_trials or max_concurrency(
@@ -139,8 +141,6 @@ def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bo
     )
     scheduler = None
     if sweep.asha:
-        from ray.tune.schedulers import ASHAScheduler
-
         a = sweep.asha
         scheduler = ASHAScheduler(time_attr="training_iteration", metric=a.metric, mode="max", max_t=a.max_t,
                                   grace_period=a.grace_period, reduction_factor=a.reduction_factor)
@@ -162,10 +162,6 @@ def run_sweep(path: str | Path, overrides: dict | None = None, progress: bool = 
 
 def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = True) -> dict:
     """Run an already loaded sweep (`load_sweep`, or built by `draftlab pipeline`)."""
-    from draftlab.cluster import ensure_ray
-    from draftlab.data.selfdistill import load_or_generate
-    from draftlab.submit import check_hub_access
-
     exp_dir, trainings = _paths(base, sweep.name)
     cfg = trial_config(base, {})
     check_hub_access(cfg.target, cfg.data.source)
@@ -179,8 +175,6 @@ def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = Tr
 def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
     """Continue an interrupted sweep from its Tune experiment directory: finished trials
     are kept, unfinished ones resume (their trainings from the latest checkpoint)."""
-    from draftlab.cluster import ensure_ray
-
     exp_dir = Path(exp_dir).expanduser().resolve()
     state_file = exp_dir / STATE_FILE
     if not state_file.is_file():
@@ -188,7 +182,6 @@ def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
                           f"(<storage_path>/sweeps/<name>)")
     state = json.loads(state_file.read_text())
     sweep = SweepConfig.model_validate(state["sweep"])
-    from draftlab.submit import check_hub_access
 
     check_hub_access(trial_config(state["base"], {}).target)  # the data is cached: only trials load the target
     ensure_ray()
@@ -197,8 +190,6 @@ def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
 
 
 def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: Path, progress: bool, restore: bool) -> dict:
-    from draftlab.tracking import Tracker, parent_tags, resolve_tracking_uri
-
     cfg = trial_config(base, {})
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     # a new sweep gets a new parent run; --resume continues the one its sweep.json names
@@ -244,9 +235,6 @@ def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: 
                                 "sweep_wall_s": summary["wall_s"]}, 0)
         parent.set_tags({"draftlab.best_run_id": best["mlflow_run_id"]})
         if sweep.promote:
-            from draftlab.distill.launch import registered_name
-            from draftlab.tracking import promote
-
             summary["champion"] = promote(best["mlflow_run_id"], registered_name(cfg), tracking_uri=uri)
     (exp_dir / RESULTS / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     parent.log_dict(summary, f"{RESULTS}/summary.json")
@@ -261,8 +249,6 @@ ROW_KEYS = ("family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar"
 
 def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
     """Rows of the finished trials, the results files and the best trial."""
-    from draftlab.sweep.report import write_csv, write_plots
-
     rows, other = [], []
     for r in grid:
         m = r.metrics or {}

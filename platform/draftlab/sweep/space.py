@@ -204,7 +204,7 @@ def training_key(cfg: DistillConfig) -> str:
 
 def param_space(sweep: SweepConfig) -> dict:
     """Ray Tune's `param_space`: the training dimensions plus the tree dimension."""
-    from ray import tune
+    from ray import tune  # noqa: PLC0415 -- Ray Tune (~2 s): sweep files validate without it (the pipeline's compose, `draftlab generate`)
 
     def dimension(dim):
         if isinstance(dim, list):

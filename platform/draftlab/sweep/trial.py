@@ -24,15 +24,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform as std_platform
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftlab.config import DistillConfig, ScalingSpec, TargetSpec
+import datasets
+import ray
+from filelock import FileLock
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from draftlab.bench import bench_loaded
+from draftlab.config import BenchConfig, DistillConfig, ScalingSpec, TargetSpec
+from draftlab.data.selfdistill import training_view
 from draftlab.decoding.tree import Tree, split_ngram, split_per_round
+from draftlab.decoding.tree_files import resolve_tree, save_tree
+from draftlab.distill.launch import build_trainer
+from draftlab.distill.tree_select import save_acceptance
+from draftlab.models.drafters.build import load_drafter
+from draftlab.models.target import load_target, placed_spec
 from draftlab.sweep.space import training_key, trial_config
+from draftlab.tracking import Tracker
 
 
 @dataclass(frozen=True)
@@ -104,13 +119,6 @@ def _remote_options(cfg: DistillConfig) -> dict:
 
 
 def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
-    import datasets
-
-    from draftlab.data.selfdistill import training_view
-    from draftlab.distill.tree_select import save_acceptance
-    from draftlab.models.drafters.build import load_drafter
-    from draftlab.models.target import load_target
-
     cfg = DistillConfig.model_validate(cfg_json)
     target = load_target(cfg.target)
     evalset = training_view(datasets.load_from_disk(data_path)["eval"])
@@ -121,12 +129,6 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
     """Every tree of `trees` and `ar`, interleaved prompt by prompt in one bench run; with
     the `vllm` objective, each chain's k exported to vLLM against `vllm_ar` instead (one
     bench per chain: vLLM engines run one after another)."""
-    from draftlab.bench import bench_loaded
-    from draftlab.config import BenchConfig
-    from draftlab.decoding.tree_files import resolve_tree
-    from draftlab.models.drafters.build import load_drafter
-    from draftlab.models.target import load_target
-
     cfg = DistillConfig.model_validate(cfg_json)
     target = load_target(cfg.target)
     drafter = load_drafter(cfg.output_dir, target)
@@ -162,14 +164,10 @@ def bench_target(cfg: DistillConfig) -> TargetSpec:
     """The target as the trial's bench task loads it, from the config strings alone: device
     `auto` pinned by the trial's resources (a task that reserved no GPU must not pick one
     up) and dtype `auto` by that device. No CUDA query: the trial process holds no GPU."""
-    from draftlab.models.target import placed_spec
-
     return placed_spec(cfg.target, cfg.scaling.use_gpu, "scaling.use_gpu", "the trial's training and bench tasks")
 
 
 def _run_task(fn, cfg: DistillConfig, *args):
-    import ray
-
     pinned = cfg.model_copy(update={"target": bench_target(cfg)})
     return ray.get(ray.remote(fn).options(**_remote_options(cfg)).remote(pinned.model_dump(mode="json"), *args))
 
@@ -179,8 +177,6 @@ def bench_digest(cfg: DistillConfig, objective: str = "draftlab") -> str:
     hardware and precision: the `bench_target` the bench task runs (never resolved here,
     where no GPU is held), the machine architecture and any non-default target setting
     (e.g. its attention kernel)."""
-    import platform as std_platform
-
     b, target = cfg.bench, bench_target(cfg)
     spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens, "device": target.device,
             "dtype": f"torch.{target.dtype}", "machine": std_platform.machine()}
@@ -200,9 +196,6 @@ def ensure_trained(p: Plan, ctx: SweepContext, run_id: str | None, trial_id: str
         return json.loads(done.read_text()) | {"trained_here": False}
     if stopped.is_file():
         return {"stopped": json.loads(stopped.read_text())}
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from draftlab.distill.launch import build_trainer
 
     p.dir.mkdir(parents=True, exist_ok=True)
     with (p.dir / "fits.jsonl").open("a") as f:
@@ -235,11 +228,6 @@ def _atomic_write(path: Path, obj) -> None:
 
 def run_trial(params: dict, ctx: SweepContext) -> None:
     """The Tune function trainable."""
-    from filelock import FileLock
-    from ray import tune
-
-    from draftlab.tracking import Tracker
-
     trial = tune.get_context()
     trial_id = trial.get_trial_id()
     p = plan(params, ctx)
@@ -271,7 +259,6 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
     tracker.log_metrics_now(metrics if summary["trained_here"] else metrics | training, summary["steps"])
     metrics |= training
     tracker.log_dict(result, "bench.json")
-    from draftlab.decoding.tree_files import save_tree
 
     with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
         staged = Path(tmp) / "drafter"

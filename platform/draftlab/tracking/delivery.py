@@ -150,7 +150,7 @@ class MetricDelivery:
     def _send(self, run_id: str, deadline: float) -> None:
         """One delivery attempt of the whole buffer before `deadline` (monotonic); raises on
         failure, keeping what was not delivered."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # noqa: PLC0415 -- mlflow: see the package docstring
 
         probe(self.tracking_uri, max(0.1, min(5.0, deadline - time.monotonic())))
         self._resolve_resume(run_id, deadline)

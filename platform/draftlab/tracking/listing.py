@@ -4,7 +4,11 @@ renders the rows as a plain-text table."""
 from __future__ import annotations
 
 import io
+from datetime import datetime
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
 
 from draftlab.tracking.backend import mlflow_client, resolve_tracking_uri, sqlite_path
 
@@ -48,11 +52,6 @@ def list_runs(tracking_uri: str | None = None, experiment: str | None = None,
 
 def format_runs_table(rows: list[dict[str, Any]], width: int = 140) -> str:
     """`list_runs` rows as a rich table, rendered to plain text."""
-    from datetime import datetime
-
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="draftlab runs", title_justify="left")
     for col in ("run id", "name", "experiment", "status", "started"):
         table.add_column(col, no_wrap=col in ("run id", "started"))

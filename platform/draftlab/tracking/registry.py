@@ -24,7 +24,7 @@ def promote(run_id: str, registered_model: str | None = None, alias: str = "cham
     `registered_model` defaults to the name the run's distillation registered under, else
     `draftlab-<target>-drafter` from the run's `draftlab.target` tag.
     """
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
 
     uri, client = mlflow_client(tracking_uri)
     try:

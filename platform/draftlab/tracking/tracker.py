@@ -92,7 +92,7 @@ class Tracker:
     @property
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient
+            from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow: see the package docstring
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
@@ -105,7 +105,7 @@ class Tracker:
     def _ensure_experiment(self) -> str:
         if self.experiment_id is not None:
             return self.experiment_id
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
 
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is None:
@@ -178,7 +178,7 @@ class Tracker:
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # noqa: PLC0415 -- mlflow: see the package docstring
 
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
@@ -194,7 +194,7 @@ class Tracker:
         """
         if not self.enabled:
             return
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # noqa: PLC0415 -- mlflow: see the package docstring
 
         run_id = self._require_run()
         flat = prepare_params(params)
@@ -319,7 +319,7 @@ class Tracker:
             return False
         if is_http(self.tracking_uri) and not server_reachable(self.tracking_uri, timeout=5.0):
             raise TrackingUnavailable(f"MLflow at {self.tracking_uri} does not answer")
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
 
         try:
             self.client.get_run(self.run_id)
@@ -345,7 +345,7 @@ class Tracker:
         """Register `runs:/<run_id>/<artifact_path>` as a new version of `name`; returns it."""
         if not self.enabled:
             return ""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
 
         run_id = self._require_run()
         try:
