@@ -10,6 +10,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 
 from draftlab.config import DataConfig, TargetSpec
 from draftlab.data.cache import dataset_key, key_inputs, shard_dir
@@ -17,8 +18,6 @@ from draftlab.data.cache import dataset_key, key_inputs, shard_dir
 
 def token_counts(ds: datasets.Dataset) -> tuple[int, int]:
     """(prompt tokens, response tokens) of a dataset without an indices mapping."""
-    import pyarrow.compute as pc
-
     total = pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0
     prompt = pc.sum(ds.data.column("prompt_len")).as_py() or 0
     return prompt, total - prompt

@@ -23,7 +23,10 @@ from draftlab.config import DataConfig, TargetSpec
 from draftlab.data.cache import save_atomic, shard_dir
 from draftlab.data.dataset import token_counts
 from draftlab.data.sampling import TopKTopPSampler
+from draftlab.export import vllm_target_dir
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
+from draftlab.models.target import load_target, placed_spec
+from draftlab.vllm_offline import VllmEngine
 
 _FP16_MAX = 65504.0  # float16's largest finite value; bf16/fp32 features are clamped to it
 
@@ -56,8 +59,6 @@ def open_writer(data: DataConfig, target, generator: str) -> contextlib.Abstract
     target's own `generate` writes them)."""
     if generator == "hf":
         return contextlib.nullcontext(None)
-    from draftlab.export import vllm_target_dir
-    from draftlab.vllm_offline import VllmEngine
 
     # Room for the longest chat-formatted prompt plus its response: prompts are cut to
     # max_prompt_tokens of text, the chat template adds its header and system turn.
@@ -173,7 +174,6 @@ class ShardGenerator:
     """
 
     def __init__(self, target_spec: dict, data: dict, work_dir: str):
-        from draftlab.models.target import load_target
 
         datasets.disable_progress_bars()  # per-shard "Saving the dataset" bars would flood the driver
         self.data = DataConfig.model_validate(data)
@@ -214,6 +214,4 @@ def generation_spec(target_spec: TargetSpec, use_gpu: bool) -> TargetSpec:
     CUDA_VISIBLE_DEVICES alone for actors that reserved no GPU, so "auto" would grab an
     unreserved GPU on a GPU node.
     """
-    from draftlab.models.target import placed_spec
-
     return placed_spec(target_spec, use_gpu, "data.use_gpu", "generation actors")

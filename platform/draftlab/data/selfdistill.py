@@ -22,10 +22,13 @@ import shutil
 from pathlib import Path
 
 import datasets
+import ray
 import torch
 from tqdm import tqdm
 
+from draftlab import vllm_offline
 from draftlab.config import ConfigError, DataConfig, TargetSpec
+from draftlab.data import sources
 from draftlab.data.cache import (
     cache_path,
     exclusive,
@@ -39,6 +42,7 @@ from draftlab.data.cache import (
 )
 from draftlab.data.dataset import concat_shards, dataset_meta, train_eval_split
 from draftlab.data.generation import ShardGenerator, generation_spec, open_writer
+from draftlab.models.target import describe_target, load_target
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +71,6 @@ def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) 
     shorter cached list is extended where its stream stopped) and cached. `target` (a
     `TargetInfo`) measures them; magpie prompts load the target from `spec` to write them,
     on the CPU of a CPU-only head node."""
-    from draftlab.data.sources import collect_prompts
-    from draftlab.models.target import load_target
-
     cached = stored_prompts(data, target.fingerprint)
     if cached is not None and len(cached.prompts) >= data.source.num_prompts:
         logger.info("prompts: reusing the cached list of %d", len(cached.prompts))
@@ -79,7 +80,7 @@ def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) 
     if writes:
         target = load_target(spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"}))
     with open_writer(data, target, data.prompt_generator) if writes else contextlib.nullcontext(None) as writer:
-        got = collect_prompts(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
+        got = sources.collect_prompts(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
                               writer=writer, start=start)
     save_prompts(data, target.fingerprint, got)
     return got.prompts
@@ -90,8 +91,6 @@ def _run_shards(
     data: DataConfig, target_spec: TargetSpec, work: Path, progress: bool,
 ) -> None:
     """Generate the shards in `todo` with a Ray Data actor pool on the current Ray instance."""
-    import ray
-
     if not ray.is_initialized():
         ray.init()
     rows = [{"shard": i, "prompts": prompts[i * shard_size : (i + 1) * shard_size]} for i in todo]
@@ -165,11 +164,9 @@ def training_view(ds: datasets.Dataset | datasets.DatasetDict):
 def _check_generator(data: DataConfig) -> None:
     """Fail before any work (and not inside an actor) when the chosen writer is missing."""
     if "vllm" in writers(data):
-        from draftlab.vllm_offline import require_vllm
-
         field = "generator" if data.generator == "vllm" else "prompt_generator"
         try:
-            require_vllm()
+            vllm_offline.require_vllm()
         except ImportError as e:
             raise ConfigError(f"data.{field}=vllm: {e}; or set data.{field}=hf") from None
 
@@ -185,8 +182,6 @@ def load_or_generate(
     float16 (`generation.target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
     duplicate it on disk).
     """
-    from draftlab.models.target import describe_target
-
     spec = generation_spec(target_spec, data.use_gpu)
     # The driver needs the fingerprint (cache key) and the tokenizer (prompt filters): both
     # come without the weights, read from the weight files' metadata. Only magpie prompts,

@@ -6,6 +6,8 @@ Each reduction is the identity without a process group or with one rank.
 
 from __future__ import annotations
 
+import hashlib
+
 import datasets
 import torch
 import torch.distributed as dist
@@ -43,8 +45,6 @@ def all_ranks_gather(obj) -> list:
 
 def weights_digest(drafter: DrafterNet) -> str:
     """Digest of the trainable weights: equal on every DDP replica after a correct step."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, p in sorted(drafter.named_parameters()):
         if p.requires_grad:
