@@ -94,12 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--k", type=int, default=None, help="draft length of the chain method (default: the drafter's K)")
     b.add_argument("--depth", type=int, default=1, help="decoder layers of an init: drafter")
     b.add_argument("--tree", default=None, help="tree preset, chain-<k>, searched-<n> (the drafter's best n-node tree, from its tree-search.json), or JSON file of rank paths (default: the drafter dir's tree.json, else default); @n after it verifies n of its nodes per round, the drafter's likeliest; +ngram grafts prompt lookups")
-    b.add_argument("--trees", default="", help="comma list of more trees (as --tree), each benched side by side as a draftlab_tree:<spec> method")
+    b.add_argument("--trees", type=_csv, default="", help="comma list of more trees (as --tree), each benched side by side as a draftlab_tree:<spec> method")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
-    b.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}; "
+    b.add_argument("--methods", type=_csv, default=",".join(METHODS), help=f"comma list of {METHODS}; "
                    "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the chain/tree); "
                    "vLLM's vllm_ar, vllm_ngram, vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s to minutes)")
     b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--api-key", default=None)
     lt.add_argument("--concurrency", type=_ints, default="1,4,16", help="comma list of concurrency levels")
     lt.add_argument("--requests", type=int, default=None, help="requests per level and mode (default max(8, 2 x C))")
-    lt.add_argument("--speculation", default="server", help="comma list of modes compared side by side: server,on,off")
+    lt.add_argument("--speculation", type=_csv, default="server", help="comma list of modes compared side by side: server,on,off")
     lt.add_argument("--prompts", default=None, help="JSONL prompts (default: the packaged set)")
     lt.add_argument("--max-tokens", type=int, default=128)
     lt.add_argument("--temperature", type=float, default=0.0)
@@ -313,7 +313,7 @@ def _loadtest(a: argparse.Namespace) -> None:
 
     cfg = LoadtestConfig(
         url=a.url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
-        requests=a.requests, speculation=_csv(a.speculation), prompts=a.prompts,
+        requests=a.requests, speculation=a.speculation, prompts=a.prompts,
         max_tokens=a.max_tokens, temperature=a.temperature, stream=not a.no_stream, json_out=a.json_out,
         duration_s=a.duration, window_s=a.window,
     )
@@ -383,8 +383,8 @@ def _bench(a: argparse.Namespace) -> None:
 
     cfg = BenchConfig(
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
-        k=a.k, depth=a.depth, tree=a.tree, trees=_csv(a.trees), temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-        warmup=a.warmup, methods=_csv(a.methods), json_out=a.json_out,
+        k=a.k, depth=a.depth, tree=a.tree, trees=a.trees, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+        warmup=a.warmup, methods=a.methods, json_out=a.json_out,
         ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to),
         vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction),
     )
