@@ -4,16 +4,10 @@ vLLM verifies one draft source per engine: its n-gram drafting copies the spans 
 a RAG answer or an edit repeats from its prompt, and the drafter (EAGLE-3 layout) drafts
 the free text; neither does the other's part. Our engine grafts both into one verified
 tree (`decoding/ngram.py`); vLLM verifies a chain, so here each request's chain comes from
-the source that has been right more often lately: where the request's text has a match for
-its last `min_match`..`max_match` tokens, the tokens that followed it (up to `tokens`,
-growing to `grow_to` while whole copies are accepted, as in our engine) compete with the
-drafter's first `draft_tokens` tokens (`SourceChooser`), else the drafter's tokens go alone.
-
-Both sources propose every step, and the text the target goes on to write shows how many
-tokens of each proposal it would have accepted, the one not verified included. So each
-request keeps a running score per source and verifies the better one's chain: a free-text
-answer, where a 2-token match is a coincidence, soon verifies the drafter's tokens; a
-summary or a RAG answer quoting its source soon verifies the copies.
+whichever source has something to say: where the request's text has a match for its last
+`min_match`..`max_match` tokens, the tokens that followed it (up to `tokens`, growing to
+`grow_to` while whole copies are accepted, as in our engine), else the drafter's first
+`draft_tokens` tokens.
 
 It runs inside vLLM's engine core as its scheduler (`scheduler_cls`, vLLM's own extension
 point: `LookupScheduler` below), where each request's committed tokens are at hand: the
@@ -51,50 +45,9 @@ def engine_kwargs(spec: NgramSpec, speculative_config: dict, draft_tokens: int) 
     }
 
 
-class SourceChooser:
-    """Which of a request's two proposals to verify: the copy from its text or the drafter's.
-
-    Each proposal made where both exist is scored, once the text written after it is known,
-    by how many of its tokens the target would have accepted (the common prefix with what it
-    wrote), whether it was verified or not. The scores are exponential moving averages with
-    weight `rate` on the newest; the copy wins ties, so a request starts as vLLM's n-gram
-    drafting would (both start at 0)."""
-
-    def __init__(self, rate: float = 0.3):
-        self.rate = rate
-        self.score = {"copy": 0.0, "drafter": 0.0}  # moving average of accepted tokens
-        self._pending: list[tuple[int, list[int], list[int]]] = []  # (text position, copy, draft)
-
-    def choose(self, tokens: list[int], copy: list[int], draft: list[int]) -> list[int]:
-        """The chain to verify after `tokens` (the request's text so far)."""
-        self._resolve(tokens)
-        if not copy:
-            return draft
-        self._pending.append((len(tokens), copy, draft))
-        return copy if self.score["copy"] >= self.score["drafter"] else draft
-
-    def _resolve(self, tokens: list[int]) -> None:
-        """Score every pending proposal whose outcome the text now decides."""
-        left = []
-        for at, copy, draft in self._pending:
-            hits = [_accepted(tokens, at, chain) for chain in (copy, draft)]
-            if None in hits:
-                left.append((at, copy, draft))
-                continue
-            for name, hit in zip(("copy", "drafter"), hits, strict=True):
-                self.score[name] += self.rate * (hit - self.score[name])
-        self._pending = left
-
-
-def _accepted(tokens: list[int], at: int, chain: list[int]) -> int | None:
-    """How many leading tokens of `chain`, proposed at position `at`, `tokens` agrees with;
-    None while the text is too short to tell."""
-    for i, tok in enumerate(chain):
-        if at + i >= len(tokens):
-            return None
-        if tokens[at + i] != tok:
-            return i
-    return len(chain)
+def merge(index: NgramIndex, draft: list[int], draft_tokens: int) -> list[int]:
+    """The copy from the text where there is one, else the drafter's first tokens."""
+    return index.propose() or draft[:draft_tokens]
 
 
 def __getattr__(name: str):
@@ -117,7 +70,7 @@ def _lookup_scheduler() -> type:
             extra = (vllm_config.additional_config or {}).get(LOOKUP_KEY)
             self._spec = NgramSpec.model_validate(extra["spec"]) if extra else None
             self._draft_tokens = int(extra["draft_tokens"]) if extra else 0
-            self._lookups: dict[str, tuple[NgramIndex, SourceChooser]] = {}  # request id -> its text's index
+            self._lookups: dict[str, NgramIndex] = {}  # request id -> its text's n-gram index
 
         def update_draft_token_ids(self, draft_token_ids) -> None:
             if self._spec is not None:
@@ -128,11 +81,12 @@ def _lookup_scheduler() -> type:
                         merged.append(draft)
                         continue
                     tokens = request.all_token_ids
-                    if req_id not in self._lookups:
-                        self._lookups[req_id] = NgramIndex(self._spec, list(tokens)), SourceChooser()
-                    index, chooser = self._lookups[req_id]
-                    index.extend(list(tokens[len(index.tokens):]))
-                    merged.append(chooser.choose(index.tokens, index.propose(), list(draft)[: self._draft_tokens]))
+                    index = self._lookups.get(req_id)
+                    if index is None:
+                        index = self._lookups[req_id] = NgramIndex(self._spec, list(tokens))
+                    else:
+                        index.extend(list(tokens[len(index.tokens):]))
+                    merged.append(merge(index, list(draft), self._draft_tokens))
                 for gone in [r for r in self._lookups if r not in self.requests]:
                     del self._lookups[gone]
                 draft_token_ids = type(draft_token_ids)(draft_token_ids.req_ids, merged)
