@@ -102,10 +102,11 @@ def test_bench_report_has_the_vllm_fields(report):
     assert v["speculative_config"]["vllm_ngram"]["num_speculative_tokens"] == K
     assert v["speculative_config"]["vllm_draftlab"] | {"model": None} == {
         "method": "eagle3", "model": None, "num_speculative_tokens": K, "parallel_drafting": True}
-    # lookups of up to grow_to tokens, the drafter's K tokens where the text has no match
-    grow_to = BenchConfig().ngram.grow_to
+    # copies of ngram.tokens (they do not grow in vLLM), the drafter's K tokens where the text has no match
+    copy = BenchConfig().ngram.tokens
+    assert copy > K
     assert v["speculative_config"]["vllm_draftlab_ngram"] | {"model": None} == {
-        "method": "eagle3", "model": None, "num_speculative_tokens": grow_to, "parallel_drafting": True,
+        "method": "eagle3", "model": None, "num_speculative_tokens": copy, "parallel_drafting": True,
         "draft_sample_method": "greedy"}
     assert v["lookups"]["vllm_draftlab_ngram"]["draftlab_lookup"]["draft_tokens"] == K
     assert m["vllm_ar"]["speedup_vs_vllm_ar"] == 1.0 and m["vllm_ar"]["tau"] == 1.0
@@ -116,12 +117,12 @@ def test_bench_report_has_the_vllm_fields(report):
             assert {"tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_vllm_ar"} <= set(cat)
     for name in ("vllm_ngram", "vllm_draftlab"):
         assert len(m[name]["per_position_acceptance"]) == K
-    assert len(m["vllm_draftlab_ngram"]["per_position_acceptance"]) == grow_to
+    assert len(m["vllm_draftlab_ngram"]["per_position_acceptance"]) == copy
 
 
 @pytest.mark.timeout(180)
 def test_lookups_merged_into_the_drafters_drafts(report):
-    """Where the text has a match, a copy of `ngram.tokens` (5) or more tokens replaces the
+    """Where the text has a match, a copy of `ngram.tokens` (5) tokens replaces the
     drafter's K (3): only merged copies make drafts longer than K (the drafter alone sums to
     exactly K per draft), and greedy output stays vLLM's own (`vllm_greedy_identical` above
     covers this engine too). The random tiny target rarely repeats itself, so this checks

@@ -5,9 +5,14 @@ a RAG answer or an edit repeats from its prompt, and the drafter (EAGLE-3 layout
 the free text; neither does the other's part. Our engine grafts both into one verified
 tree (`decoding/ngram.py`); vLLM verifies a chain, so here each request's chain comes from
 whichever source has something to say: where the request's text has a match for its last
-`min_match`..`max_match` tokens, the tokens that followed it (up to `tokens`, growing to
-`grow_to` while whole copies are accepted, as in our engine), else the drafter's first
-`draft_tokens` tokens.
+`min_match`..`max_match` tokens, the `tokens` tokens that followed it, else the drafter's
+first `draft_tokens` tokens.
+
+Copies do not grow here (`grow_to` is our engine's): vLLM sizes every step for
+`num_speculative_tokens`, the longest chain either source may propose, and its drafter
+drafts that many tokens a step whichever chain is verified: with room for 16-token copies a
+step took 1.26x a target-only step on a 2-core CPU, with room for 5 1.12x, and the longer
+copies did not make up for it (README "Prompt lookups in vLLM on a 2-core CPU").
 
 It runs inside vLLM's engine core as its scheduler (`scheduler_cls`, vLLM's own extension
 point: `LookupScheduler` below), where each request's committed tokens are at hand: the
@@ -32,16 +37,16 @@ SCHEDULER = "draftlab.vllm_lookup.LookupScheduler"
 
 
 def engine_kwargs(spec: NgramSpec, speculative_config: dict, draft_tokens: int) -> dict:
-    """`vllm.LLM` / `AsyncEngineArgs` keyword arguments that merge prompt lookups of up to
-    `spec.grow_to` tokens (`spec.tokens` when that is more: copies never shrink below it)
-    with `speculative_config`'s drafter, of which the first `draft_tokens` of each draft are
-    kept. vLLM drafts `num_speculative_tokens` a step, so that becomes the longest chain
-    either source proposes."""
-    longest = max(draft_tokens, spec.tokens, spec.grow_to)
+    """`vllm.LLM` / `AsyncEngineArgs` keyword arguments that merge prompt lookups of
+    `spec.tokens` tokens (no growth: module doc) with `speculative_config`'s drafter, of which
+    the first `draft_tokens` of each draft are kept. vLLM drafts `num_speculative_tokens` a
+    step, so that becomes the longer of the two chains."""
+    fixed = spec.model_copy(update={"grow_to": spec.tokens})
     return {
-        "speculative_config": speculative_config | {"num_speculative_tokens": longest, "draft_sample_method": "greedy"},
+        "speculative_config": speculative_config
+        | {"num_speculative_tokens": max(draft_tokens, spec.tokens), "draft_sample_method": "greedy"},
         "scheduler_cls": SCHEDULER,
-        "additional_config": {LOOKUP_KEY: {"spec": spec.model_dump(), "draft_tokens": draft_tokens}},
+        "additional_config": {LOOKUP_KEY: {"spec": fixed.model_dump(), "draft_tokens": draft_tokens}},
     }
 
 

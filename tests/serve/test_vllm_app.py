@@ -86,14 +86,15 @@ def test_prompt_lookups_are_merged_where_the_served_tree_grafts_them(target, tmp
     lookups = NgramSpec(tokens=3, grow_to=6)
     assert vllm_drafter(str(saved), args.target, args)[1:] == (2, lookups)  # the tree's depth and its lookups
     _, engine, _ = resolve_engine(args)
+    # copies of the tree's `tokens` that do not grow in vLLM (every step is sized for the longest chain)
     assert engine["scheduler_cls"] == SCHEDULER and engine["additional_config"][LOOKUP_KEY] == {
-        "spec": lookups.model_dump(), "draft_tokens": 2}
-    # vLLM drafts as many tokens as the longest copy; the drafter's first 2 are kept where nothing matches
-    assert engine["speculative_config"]["num_speculative_tokens"] == 6
+        "spec": NgramSpec(tokens=3, grow_to=3).model_dump(), "draft_tokens": 2}
+    # vLLM drafts as many tokens as the longer chain; the drafter's first 2 are kept where nothing matches
+    assert engine["speculative_config"]["num_speculative_tokens"] == 3
     assert engine["speculative_config"]["draft_sample_method"] == "greedy"  # lossless for copied drafts
-    # copies never shrink below `tokens`: a grow_to under it still needs `tokens` slots
-    fixed = engine_kwargs(NgramSpec(tokens=5, grow_to=4), engine["speculative_config"], 2)
-    assert fixed["speculative_config"]["num_speculative_tokens"] == 5
+    # a drafter deeper than the copies sets the step's size
+    deep = engine_kwargs(NgramSpec(tokens=3), engine["speculative_config"], 4)
+    assert deep["speculative_config"]["num_speculative_tokens"] == 4
     off = resolve_engine(args.model_copy(update={"prompt_lookup": "off"}))[1]
     assert set(off) == {"speculative_config"} and off["speculative_config"]["num_speculative_tokens"] == 2
 

@@ -76,8 +76,8 @@ class VllmServeArgs(ServingCommon):
     request's text has an n-gram match, the tokens that followed it are drafted instead):
     `tree` = when the tree our engine serves the drafter with grafts them (`+ngram` in its
     `tree.json`), with that tree's settings; `on` = always (the tree's settings, else the
-    defaults); `off` = the drafter alone. vLLM then drafts up to the lookups' `grow_to` tokens
-    a step."""
+    defaults); `off` = the drafter alone. The copies are the lookups' `tokens` long and do not
+    grow in vLLM, which then drafts that many tokens a step (or the drafter's, if more)."""
     num_speculative_tokens: int | None = Field(None, ge=1, le=16)
     """Draft tokens per step; None = the depth of the drafter's `tree.json` (the tree our engine
     serves it with, picked from measured acceptance and costs), else its `k`."""
