@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-min", type=int, default=NgramSpec().min_match, help="*_ngram: shortest suffix n-gram matched")
     b.add_argument("--ngram-max", type=int, default=NgramSpec().max_match, help="*_ngram: longest suffix n-gram matched")
     b.add_argument("--ngram-grow-to", type=int, default=NgramSpec().grow_to,
-                   help="*_ngram: after a round that commits a whole copy, copy twice as many tokens next, up to this (<= --ngram-tokens: fixed)")
+                   help="*_ngram in our engine: after a round that commits a whole copy, copy twice as many tokens next, up to this (<= --ngram-tokens: fixed); vLLM's copies stay --ngram-tokens long")
     b.add_argument("--ngram-store-tokens", type=int, default=NgramSpec().store_tokens,
                    help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only")
     b.add_argument("--vllm-memory-fraction", type=float, default=VllmBenchSpec().memory_fraction,
