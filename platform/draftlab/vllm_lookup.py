@@ -10,9 +10,9 @@ first `draft_tokens` tokens.
 
 Copies do not grow here (`grow_to` is our engine's): vLLM sizes every step for
 `num_speculative_tokens`, the longest chain either source may propose, and its drafter
-drafts that many tokens a step whichever chain is verified: with room for 16-token copies a
-step took 1.26x a target-only step on a 2-core CPU, with room for 5 1.12x, and the longer
-copies did not make up for it (README "Prompt lookups in vLLM on a 2-core CPU").
+drafts that many tokens a step whichever chain is verified: on a 2-core CPU a step took
+1.31x a target-only step with room for 16-token copies and 1.16x with room for 5, and the
+longer copies did not make up for it (README "Prompt lookups in vLLM on a 2-core CPU").
 
 It runs inside vLLM's engine core as its scheduler (`scheduler_cls`, vLLM's own extension
 point: `LookupScheduler` below), where each request's committed tokens are at hand: the
