@@ -120,8 +120,11 @@ def _plain_loop(
     """The worker's loop before prefetching: epoch by epoch, collating inline, one generator."""
     gen = torch.Generator().manual_seed(seed)
     out = []
+    lengths = [min(len(ids), train.max_seq_len) for ids in data["input_ids"]]
     for epoch in range(epoch0, train.epochs):
-        batches = epoch_batches(len(data), train.batch_size, epoch, train.seed, rank, world)
+        batches = epoch_batches(
+            len(data), train.batch_size, epoch, train.seed, rank, world, lengths, train.length_window
+        )
         for i, idx in enumerate(
             batches[start if epoch == epoch0 else 0 :], start=start if epoch == epoch0 else 0
         ):
@@ -137,14 +140,16 @@ def _plain_loop(
     return out
 
 
+@pytest.mark.parametrize("window", [0, 2])
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize(("rank", "epoch0", "start"), [(0, 0, 0), (1, 1, 2)])
-def test_prefetched_stream_is_the_plain_loop_batch_for_batch(prefetch, rank, epoch0, start):
+def test_prefetched_stream_is_the_plain_loop_batch_for_batch(prefetch, rank, epoch0, start, window):
     """A DataLoader worker process builds the batches ahead (prefetch=2): same order, same
     rows, same drop-token draws as collating in the loop; also from a resume position."""
     data = datasets.Dataset.from_list(_rows(lengths=[5 + (7 * i) % 19 for i in range(22)], seed=1))
     train = TrainConfig(
-        epochs=3, batch_size=3, max_seq_len=16, drop_tokens=True, loss_on_prompt=True, seed=4
+        epochs=3, batch_size=3, max_seq_len=16, drop_tokens=True, loss_on_prompt=True, seed=4,
+        length_window=window,
     )
     ref = _plain_loop(data, train, rank, 2, epoch0, start, seed=11)
     stream = TrainStream(data, K, train, rank, 2, epoch0, start, torch.Generator().manual_seed(11))
@@ -155,6 +160,30 @@ def test_prefetched_stream_is_the_plain_loop_batch_for_batch(prefetch, rank, epo
         for name, value in vars(b).items():
             mine = getattr(s.batch, name)
             assert (mine is None and value is None) or torch.equal(mine, value), name
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_length_grouped_batches_hold_the_same_rows_with_less_padding(world):
+    """Sorting windows of the shuffle by length changes which rows share a batch, not which
+    rows an epoch (and each rank) trains on, nor how many batches it has."""
+    lengths = torch.randint(8, 300, (203,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def padded(batches):  # nodes a batch of right-padded rows costs
+        return sum(len(b) * max(lengths[j] for j in b) for b in batches)
+
+    for rank in range(world):
+        for epoch in range(3):
+            plain = epoch_batches(len(lengths), 4, epoch, 5, rank, world)
+            grouped = epoch_batches(len(lengths), 4, epoch, 5, rank, world, lengths, 8)
+            assert grouped == epoch_batches(len(lengths), 4, epoch, 5, rank, world, lengths, 8)
+            assert len(grouped) == len(plain) and all(len(b) == 4 for b in grouped)
+            assert sorted(j for b in grouped for j in b) == sorted(j for b in plain for j in b)
+            assert padded(grouped) < 0.75 * padded(plain)
+            spans = [max(lengths[j] for j in b) - min(lengths[j] for j in b) for b in grouped]
+            first = [max(lengths[j] for j in b) for b in grouped[:8]]
+            assert first != sorted(first)  # the batches are shuffled, not short to long
+            assert sum(spans) < 0.25 * sum(max(lengths[j] for j in b) - min(lengths[j] for j in b) for b in plain)
+    assert epoch_batches(len(lengths), 4, 0, 5, 0, 1, lengths, 8) != epoch_batches(len(lengths), 4, 1, 5, 0, 1, lengths, 8)
 
 
 def test_a_last_state_family_reads_the_last_columns_of_a_fused_feature_cache(tiny):

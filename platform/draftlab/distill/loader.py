@@ -21,15 +21,29 @@ from draftlab.distill.batching import Batch, collate
 
 
 def epoch_batches(
-    n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int
+    n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int,
+    lengths: list[int] | None = None, window: int = 0,
 ) -> list[list[int]]:
-    """This rank's batches for an epoch: a seeded shuffle, equal counts on every rank."""
+    """This rank's batches for an epoch: a seeded shuffle, equal counts on every rank.
+
+    With `lengths` (one per row) and `window` > 0, each run of `window` batches' rows of the
+    shuffle is sorted by length before it is cut into batches, and the batches are then
+    shuffled: rows of like length share a batch, so little of a step is padding (the same
+    rows and batch count per epoch as without)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
     per_rank = n // world
     mine = order[rank * per_rank : (rank + 1) * per_rank]
-    return [mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)] or (
+    if lengths is not None and window > 0 and per_rank >= batch_size:
+        span = window * batch_size  # a multiple of batch_size: no batch straddles two windows
+        full = per_rank - per_rank % batch_size  # the rows past it are left out, as without grouping
+        mine = [j for s in range(0, full, span) for j in sorted(mine[s : min(s + span, full)], key=lambda j: lengths[j])]
+    batches = [mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)] or (
         [mine] if mine else []
     )
+    if lengths is not None and window > 0 and len(batches) > 1:  # not short to long within a window
+        shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch + 7919))
+        batches = [batches[i] for i in shuffle.tolist()]
+    return batches
 
 
 @dataclass
@@ -61,12 +75,16 @@ class TrainStream(IterableDataset):
     ):
         self.data, self.k, self.train, self.rank, self.world = data, k, train, rank, world
         self.epoch, self.start, self.generator = epoch, start, generator
+        # rows' lengths as collated (truncated), for length-grouped batches
+        self.lengths = (
+            [min(len(ids), train.max_seq_len) for ids in data["input_ids"]] if train.length_window else None
+        )
 
     def __iter__(self) -> Iterator[Step]:
         t = self.train
         for epoch in range(self.epoch, t.epochs):
             batches = epoch_batches(
-                len(self.data), t.batch_size, epoch, t.seed, self.rank, self.world
+                len(self.data), t.batch_size, epoch, t.seed, self.rank, self.world, self.lengths, t.length_window
             )
             for i in range(self.start if epoch == self.epoch else 0, len(batches)):
                 rows = [self.data[j] for j in batches[i]]
