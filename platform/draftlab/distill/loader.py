@@ -33,14 +33,15 @@ def epoch_batches(
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
     per_rank = n // world
     mine = order[rank * per_rank : (rank + 1) * per_rank]
-    if lengths is not None and window > 0 and per_rank >= batch_size:
+    grouped = lengths is not None and window > 0
+    if grouped and per_rank >= batch_size:
         span = window * batch_size  # a multiple of batch_size: no batch straddles two windows
         full = per_rank - per_rank % batch_size  # the rows past it are left out, as without grouping
         mine = [j for s in range(0, full, span) for j in sorted(mine[s : min(s + span, full)], key=lambda j: lengths[j])]
     batches = [mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)] or (
         [mine] if mine else []
     )
-    if lengths is not None and window > 0 and len(batches) > 1:  # not short to long within a window
+    if grouped and len(batches) > 1:  # not short to long within a window
         shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch + 7919))
         batches = [batches[i] for i in shuffle.tolist()]
     return batches
