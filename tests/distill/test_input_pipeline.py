@@ -11,7 +11,7 @@ import torch
 from draftlab.config import TrainConfig
 from draftlab.distill.batching import collate
 from draftlab.distill.group_mask import build_group_layout
-from draftlab.distill.loader import TrainStream, batch_stream, epoch_batches
+from draftlab.distill.loader import TrainStream, batch_stream, epoch_batches, row_lengths
 from draftlab.distill.objective import (
     DistillModule,
     gather_states,
@@ -120,7 +120,7 @@ def _plain_loop(
     """The worker's loop before prefetching: epoch by epoch, collating inline, one generator."""
     gen = torch.Generator().manual_seed(seed)
     out = []
-    lengths = [min(len(ids), train.max_seq_len) for ids in data["input_ids"]]
+    lengths = row_lengths(data, train.max_seq_len)
     for epoch in range(epoch0, train.epochs):
         batches = epoch_batches(
             len(data), train.batch_size, epoch, train.seed, rank, world, lengths, train.length_window

@@ -42,9 +42,14 @@ def epoch_batches(
         [mine] if mine else []
     )
     if grouped and len(batches) > 1:  # not short to long within a window
-        shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch + 7919))
+        shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch + 7919))  # a stream apart from the rows' shuffle
         batches = [batches[i] for i in shuffle.tolist()]
     return batches
+
+
+def row_lengths(data: datasets.Dataset, max_seq_len: int) -> list[int]:
+    """Each row's length as `collate` truncates it: what length-grouped batches sort by."""
+    return [min(len(ids), max_seq_len) for ids in data["input_ids"]]
 
 
 @dataclass
@@ -76,10 +81,7 @@ class TrainStream(IterableDataset):
     ):
         self.data, self.k, self.train, self.rank, self.world = data, k, train, rank, world
         self.epoch, self.start, self.generator = epoch, start, generator
-        # rows' lengths as collated (truncated), for length-grouped batches
-        self.lengths = (
-            [min(len(ids), train.max_seq_len) for ids in data["input_ids"]] if train.length_window else None
-        )
+        self.lengths = row_lengths(data, train.max_seq_len) if train.length_window else None
 
     def __iter__(self) -> Iterator[Step]:
         t = self.train
