@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.drafters.build import init_drafter
 from draftlab.serve.app import build_app
 from draftlab.serve.loadtest import run_loadtest
+from draftlab.serve.pair import resolve_pair
 from mlflow_server import MlflowServer
 from serve_support import local_serve
 
@@ -172,7 +174,7 @@ def test_serve_status_lists_the_app():
 # ----------------------------------------------------------------- MLflow champion
 
 
-def test_serves_the_champion_from_the_mlflow_registry(base_url, tiny, tmp_path):
+def test_serves_the_champion_from_the_mlflow_registry(base_url, tiny, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     from draftlab.tracking import promote
@@ -203,6 +205,18 @@ def test_serves_the_champion_from_the_mlflow_registry(base_url, tiny, tmp_path):
                 openai.OpenAI(base_url=f"{base_url}/champ/v1", api_key="wrong", max_retries=0).models.list()
         finally:
             serve.delete("champ")
+
+        # One local copy per machine, reused by every replica and restart; fetched again
+        # when the stored files change.
+        monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+        first = Path(resolve_pair(args).drafter)
+        assert first == tmp_path / "cache" / "registry" / run.info.run_id / "drafter"
+        stamp = (first / "model.safetensors").stat().st_mtime_ns
+        assert Path(resolve_pair(args).drafter) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+        (drafter_dir / "tree.json").write_text("[[0], [0, 0], [0, 0, 0]]")
+        client.log_artifact(run.info.run_id, str(drafter_dir / "tree.json"), "drafter")
+        assert json.loads((Path(resolve_pair(args).drafter) / "tree.json").read_text()) == [[0], [0, 0], [0, 0, 0]]
+        assert not list(first.parent.glob(".download-*"))  # no partial download left behind
 
 
 # ----------------------------------------------------------------- autoscaling

@@ -4,9 +4,10 @@
     models:/<name>/<version>
     drafter: <dir> | init:<family>
 
-A registered version's `drafter` artifact is downloaded (cached by MLflow under a temp
-dir per replica); its `config.json` names the target it was trained for and its
-`tree.json` the tree it verifies with, unless the serve args override them.
+A registered version's `drafter` artifact is downloaded once per machine into
+`$DRAFTLAB_CACHE/registry/<run id>/drafter` (again only when the stored files change); its
+`config.json` names the target it was trained for and its `tree.json` the tree it verifies
+with, unless the serve args override them.
 
 mlflow is imported for a models:/ URI only: `draftlab --help` imports this module (cli ->
 serve.control).
@@ -15,9 +16,13 @@ serve.control).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from draftlab.config import ConfigError, ServeArgs, TargetSpec
 from draftlab.storage import is_uri, local_copy
@@ -65,6 +70,36 @@ def model_version(args: ServeArgs):
     return uri, tracking, mv
 
 
+def _artifact_sizes(client, run_id: str, path: str) -> dict[str, int]:
+    """{artifact path: size in bytes} of every file under `path` of the run."""
+    out: dict[str, int] = {}
+    for f in client.list_artifacts(run_id, path):
+        out |= _artifact_sizes(client, run_id, f.path) if f.is_dir else {f.path: f.file_size}
+    return out
+
+
+def cached_drafter(client, run_id: str) -> Path:
+    """The run's `drafter` artifact as a local directory, `$DRAFTLAB_CACHE/registry/<run_id>/drafter`:
+    downloaded once (replicas on a machine share it, under a lock), again when the stored
+    files differ in name or size. The download lands in a temp dir beside it and is moved
+    in whole, so a crash mid-download never leaves a partial drafter to serve."""
+    from draftlab.models.presets import cache_dir  # noqa: PLC0415 -- models.presets imports torch
+
+    stored = _artifact_sizes(client, run_id, "drafter")
+    home = cache_dir() / "registry" / run_id
+    home.mkdir(parents=True, exist_ok=True)
+    index, local = home / "files.json", home / "drafter"
+    with FileLock(str(home) + ".lock"):
+        if index.is_file() and json.loads(index.read_text()) == stored and local.is_dir():
+            return local
+        index.unlink(missing_ok=True)
+        shutil.rmtree(local, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=home, prefix=".download-") as tmp:
+            os.replace(client.download_artifacts(run_id, "drafter", tmp), local)
+        index.write_text(json.dumps(stored))
+    return local
+
+
 def resolve_pair(args: ServeArgs) -> Pair:
     if args.drafter is not None:  # a URI (s3://...) is served from its local mirror
         local = str(local_copy(args.drafter)) if is_uri(args.drafter) else args.drafter
@@ -72,11 +107,10 @@ def resolve_pair(args: ServeArgs) -> Pair:
     from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow: see the module docstring
 
     uri, tracking, mv = model_version(args)
-    dest = Path(tempfile.mkdtemp(prefix="draftlab-serve-"))
-    local = MlflowClient(tracking_uri=tracking).download_artifacts(mv.run_id, "drafter", str(dest))
-    cfg = json.loads((Path(local) / "config.json").read_text())
+    local = cached_drafter(MlflowClient(tracking_uri=tracking), mv.run_id)
+    cfg = json.loads((local / "config.json").read_text())
     target = args.target
     if "target" not in args.model_fields_set:  # the drafter knows its target
         target = args.target.model_copy(update={"name": cfg["target_name"]})
-    return Pair(target, local, {"model_uri": uri, "registered_model": mv.name, "version": str(mv.version),
+    return Pair(target, str(local), {"model_uri": uri, "registered_model": mv.name, "version": str(mv.version),
                                 "run_id": mv.run_id, "tracking_uri": tracking})
