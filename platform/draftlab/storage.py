@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
@@ -109,9 +110,21 @@ def local_copy(path: str | Path) -> Path:
     }
     if not stored:
         raise FileNotFoundError(f"{uri}: nothing is stored there")
-    dest = mirror_dir(uri)
+
+    def fetch(rel: str, local: Path) -> None:
+        copy_files(posixpath.join(root, rel), str(local), source_filesystem=fs,
+                   destination_filesystem=LocalFileSystem())
+
+    return sync_mirror(mirror_dir(uri), stored, fetch)
+
+
+def sync_mirror(dest: Path, stored: dict[str, list], fetch: Callable[[str, Path], None]) -> Path:
+    """Bring the local mirror `dest` up to date with `stored` ({relative path: stamp, e.g.
+    [size, mtime]}): `fetch(rel, dest / rel)` each file whose stamp changed or that is
+    missing, delete what is not stored, write the index last. Under a file lock: replicas on
+    one node share the mirror."""
     dest.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest) + ".lock"):  # replicas on one node share the mirror
+    with FileLock(str(dest) + ".lock"):
         index_file = dest / MIRROR_INDEX
         held = json.loads(index_file.read_text()) if index_file.is_file() else {}
         changed = [
@@ -121,14 +134,9 @@ def local_copy(path: str | Path) -> Path:
         ]
         for rel in changed:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            copy_files(
-                posixpath.join(root, rel),
-                str(dest / rel),
-                source_filesystem=fs,
-                destination_filesystem=LocalFileSystem(),
-            )
+            fetch(rel, dest / rel)
         if changed or held.keys() - stored.keys():
-            # Files not stored at the URI: deleted there, or derived here from older files
+            # Files not stored at the source: deleted there, or derived here from older files
             # (`tree-searched-<n>.json` from an older `tree-search.json`).
             for f in [f for f in dest.rglob("*") if f.is_file()]:
                 if f.relative_to(dest).as_posix() not in stored and f.name != MIRROR_INDEX:

@@ -22,6 +22,7 @@ from draftlab.models.drafters.build import init_drafter
 from draftlab.serve.app import build_app
 from draftlab.serve.loadtest import run_loadtest
 from draftlab.serve.pair import resolve_pair
+from draftlab.storage import mirror_dir
 from mlflow_server import MlflowServer
 from serve_support import local_serve
 
@@ -210,13 +211,13 @@ def test_serves_the_champion_from_the_mlflow_registry(base_url, tiny, tmp_path, 
         # when the stored files change.
         monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
         first = Path(resolve_pair(args).drafter)
-        assert first == tmp_path / "cache" / "registry" / run.info.run_id / "drafter"
+        assert first == mirror_dir(f"runs:/{run.info.run_id}/drafter") and first.is_relative_to(tmp_path / "cache")
         stamp = (first / "model.safetensors").stat().st_mtime_ns
         assert Path(resolve_pair(args).drafter) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
         (drafter_dir / "tree.json").write_text("[[0], [0, 0], [0, 0, 0]]")
         client.log_artifact(run.info.run_id, str(drafter_dir / "tree.json"), "drafter")
         assert json.loads((Path(resolve_pair(args).drafter) / "tree.json").read_text()) == [[0], [0, 0], [0, 0, 0]]
-        assert not list(first.parent.glob(".download-*"))  # no partial download left behind
+        assert not list(first.rglob(".download-*"))  # no partial download left behind
 
 
 # ----------------------------------------------------------------- autoscaling

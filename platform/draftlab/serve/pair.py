@@ -4,8 +4,8 @@
     models:/<name>/<version>
     drafter: <dir> | init:<family>
 
-A registered version's `drafter` artifact is downloaded once per machine into
-`$DRAFTLAB_CACHE/registry/<run id>/drafter` (again only when the stored files change); its
+A registered version's `drafter` artifact is mirrored once per machine under
+`$DRAFTLAB_CACHE/storage` (fetched again file by file when a stored file changes); its
 `config.json` names the target it was trained for and its `tree.json` the tree it verifies
 with, unless the serve args override them.
 
@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import posixpath
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
 from draftlab.config import ConfigError, ServeArgs, TargetSpec
-from draftlab.storage import is_uri, local_copy
+from draftlab.storage import is_uri, local_copy, mirror_dir, sync_mirror
 from draftlab.tracking import drafter_model_name, mlflow_client
 
 
@@ -79,25 +77,16 @@ def _artifact_sizes(client, run_id: str, path: str) -> dict[str, int]:
 
 
 def cached_drafter(client, run_id: str) -> Path:
-    """The run's `drafter` artifact as a local directory, `$DRAFTLAB_CACHE/registry/<run_id>/drafter`:
-    downloaded once (replicas on a machine share it, under a lock), again when the stored
-    files differ in name or size. The download lands in a temp dir beside it and is moved
-    in whole, so a crash mid-download never leaves a partial drafter to serve."""
-    from draftlab.models.presets import cache_dir  # noqa: PLC0415 -- models.presets imports torch
+    """The run's `drafter` artifact as a local mirror (`storage.sync_mirror`, under
+    `$DRAFTLAB_CACHE/storage`): downloaded once per machine and shared by its replicas,
+    fetched again file by file when a stored file's size changes."""
 
-    stored = _artifact_sizes(client, run_id, "drafter")
-    home = cache_dir() / "registry" / run_id
-    home.mkdir(parents=True, exist_ok=True)
-    index, local = home / "files.json", home / "drafter"
-    with FileLock(str(home) + ".lock"):
-        if index.is_file() and json.loads(index.read_text()) == stored and local.is_dir():
-            return local
-        index.unlink(missing_ok=True)
-        shutil.rmtree(local, ignore_errors=True)
-        with tempfile.TemporaryDirectory(dir=home, prefix=".download-") as tmp:
-            os.replace(client.download_artifacts(run_id, "drafter", tmp), local)
-        index.write_text(json.dumps(stored))
-    return local
+    def fetch(rel: str, local: Path) -> None:  # each file whole: downloaded beside it, then moved in
+        with tempfile.TemporaryDirectory(dir=local.parent, prefix=".download-") as tmp:
+            os.replace(client.download_artifacts(run_id, f"drafter/{rel}", tmp), local)
+
+    stored = {posixpath.relpath(p, "drafter"): [size] for p, size in _artifact_sizes(client, run_id, "drafter").items()}
+    return sync_mirror(mirror_dir(f"runs:/{run_id}/drafter"), stored, fetch)
 
 
 def resolve_pair(args: ServeArgs) -> Pair:
