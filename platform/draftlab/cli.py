@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="*_ngram in our engine: after a round that commits a whole copy, copy twice as many tokens next, up to this (<= --ngram-tokens: fixed); vLLM's copies stay --ngram-tokens long")
     b.add_argument("--ngram-store-tokens", type=int, default=NgramSpec().store_tokens,
                    help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only")
+    b.add_argument("--ngram-extend", type=int, default=NgramSpec().extend,
+                   help="*_ngram in our engine: carry on each prefix of the drafter's likeliest path with up to this many looked-up tokens (text, then store); 0 = off")
     b.add_argument("--vllm-memory-fraction", type=float, default=VllmBenchSpec().memory_fraction,
                    help="vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for weights + KV cache")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
@@ -240,8 +242,8 @@ def _select_tree(a: argparse.Namespace) -> None:
     report = choose_tree_for_run(cfg, a.drafter)
     for c in report["candidates"]:
         ngram = c.get("ngram")
-        lookups = "" if not ngram else (f" +lookups ({ngram['store_tokens']} from the store) in "
-                                         f"{c['lookup_rounds']:.0%} of rounds")
+        lookups = "" if not ngram else (f" +lookups ({ngram['store_tokens']} from the store, paths carried on by "
+                                         f"{ngram['extend']}) in {c['lookup_rounds']:.0%} of rounds")
         print(f"{c['nodes']:3d} nodes, depth {c['depth']}{lookups}: replayed tau {c['tau']:.3f}, "
               f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
     print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
@@ -385,7 +387,8 @@ def _bench(a: argparse.Namespace) -> None:
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
         k=a.k, depth=a.depth, tree=a.tree, trees=a.trees, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         warmup=a.warmup, methods=a.methods, json_out=a.json_out,
-        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to),
+        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to,
+                        extend=a.ngram_extend),
         vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction),
     )
     report = run_bench(cfg)

@@ -246,13 +246,14 @@ def test_speculative_sampling_matches_exact_target_distribution(
 
 @pytest.mark.slow
 def test_grafted_lookup_drafts_keep_the_target_distribution(target):
-    """Prompt-lookup branches grafted onto a top-k tree are further point-mass siblings; the
-    output stays exact. (1-gram lookups in this 8-token vocabulary add new nodes on ~12% of
+    """Prompt-lookup branches grafted onto a top-k tree (copies at the root, and lookups
+    carrying on the drafter's likeliest path) are further point-mass siblings; the output
+    stays exact. (1-gram lookups in this 8-token vocabulary add new nodes on ~12% of
     rounds; the rest match nothing or only repeat the tree's own tokens.)"""
     exact = exact_distribution(target, PROMPT, 1.0, 1.0)
     drafter = init_drafter("parallel", target, k=4, depth=1, seed=0)
     tree = _tree("small-6")
-    decoder = SpeculativeDecoder(target, drafter, tree.with_ngram(NgramSpec(tokens=3, min_match=1, max_match=2)))
+    decoder = SpeculativeDecoder(target, drafter, tree.with_ngram(NgramSpec(tokens=3, min_match=1, max_match=2, extend=2)))
     samples, rounds, grafted_rounds = [], 0, 0
     for i in range(N):
         session = decoder.start(PROMPT, SamplingParams(max_new_tokens=LENGTH, seed=700_000 + i, temperature=1.0))

@@ -9,6 +9,7 @@ from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import STORE_FILE, NgramIndex, NgramStore
 from draftlab.decoding.tree import Tree
 from draftlab.models.drafters.build import init_drafter
+from oracle import OracleDrafter
 
 GREEDY = SamplingParams(max_new_tokens=40)
 
@@ -41,6 +42,19 @@ def test_the_text_comes_first_then_the_store_capped_at_store_tokens():
     assert index.propose() == [8, 9]  # no match in the text: the store's, cut to 2 tokens
     off = NgramIndex(spec.model_copy(update={"store_tokens": 0}), [1, 2, 3, 1, 7], store)
     assert off.propose() == []
+
+
+def test_the_drafted_path_is_carried_on_by_the_text_then_the_store_capped_at_extend():
+    store = NgramStore.build([[5, 6, 40, 41, 42, 43]], NgramSpec(min_match=2, max_match=2))
+    spec = NgramSpec(tokens=4, min_match=2, max_match=3, store_tokens=0, extend=3)
+    index = NgramIndex(spec, [1, 2, 3, 4, 9, 8, 1, 2], store)
+    assert index.propose_after([3, 4]) == [9, 8, 1]  # "2 3 4" (two drafted) was followed by 9 8 1 in the text
+    assert index.propose_after([7]) == []  # "2 7": neither the text nor the store has it
+    assert index.propose_after([5, 6]) == [40, 41, 42]  # only the store has "5 6": its continuation, capped
+    assert index.propose() == [3, 4, 9, 8]  # the copy at the root is unchanged, and store_tokens=0 holds there
+    assert index.copy_len == 4
+    off = NgramIndex(spec.model_copy(update={"extend": 0}), [1, 2, 3, 4, 9, 8, 1, 2], store)
+    assert off.propose_after([3, 4]) == []
 
 
 @pytest.mark.parametrize("tree", [pytest.param(Tree.chain(1), marks=pytest.mark.slow), Tree.from_paths([[0], [1], [0, 0]])],
@@ -76,3 +90,19 @@ def test_copies_grow_after_whole_ones_are_committed_and_reset_on_a_miss():
         fixed = NgramIndex(spec.model_copy(update={"grow_to": grow_to}), text)
         fixed.extend(fixed.propose() + [4])
         assert fixed.copy_len == 2 and fixed.propose() == [5, 6]
+
+
+def test_extended_paths_keep_greedy_identity_and_get_accepted_past_the_drafters_depth(tiny, tiny_prompts):
+    """An oracle drafter's likeliest path is the target's, and the store of the target's own
+    answers carries it on: rounds accept past the tree's depth, and the text is unchanged."""
+    refs = [autoregressive_generate(tiny, ids, GREEDY).tokens for ids in tiny_prompts]
+    store = NgramStore.build(refs, NgramSpec())
+    tree = Tree.from_paths([[0], [1], [0, 0]])
+    tau, deepest = {}, {}
+    for n in (0, 3):
+        served = tree.with_ngram(NgramSpec(store_tokens=0, extend=n))
+        outs = [SpeculativeDecoder(tiny, OracleDrafter(tiny, ids), served, store).generate(ids, GREEDY) for ids in tiny_prompts]
+        assert [o.tokens for o in outs] == refs
+        tau[n] = sum(len(o.tokens) for o in outs) / sum(o.stats.rounds + 1 for o in outs)
+        deepest[n] = max(len(o.stats.accepted_at) for o in outs)
+    assert deepest[0] <= 2 < deepest[3] and tau[3] > tau[0] + 0.3

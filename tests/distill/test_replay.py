@@ -16,6 +16,7 @@ from draftlab.models.target import load_target
 
 GREEDY = SamplingParams(max_new_tokens=48)
 LOOKUP = NgramSpec(tokens=2, min_match=1, max_match=2, grow_to=8)  # copies grow: state across rounds
+CARRIED = LOOKUP.model_copy(update={"extend": 2})  # and lookups carry on the likeliest path
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def texts(tiny_prompts):
 
 
 @pytest.mark.parametrize(
-    "ngram, with_store", [(None, False), (LOOKUP, False), (LOOKUP, True)], ids=["tree", "tree+lookup", "tree+lookup+store"]
+    "ngram, with_store", [(None, False), (LOOKUP, False), (LOOKUP, True), (CARRIED, True)],
+    ids=["tree", "tree+lookup", "tree+lookup+store", "tree+lookup+store+carried"],
 )
 @pytest.mark.parametrize("paths", [[[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [0, 0], [1, 0]]], ids=str)
 def test_replay_runs_the_rounds_the_engine_runs(tiny_prompts, texts, paths, ngram, with_store):
@@ -77,6 +79,12 @@ def test_round_costs_and_shared_branch_rows():
     assert (run.rounds, run.tokens, run.lookup_rounds) == (2, 4, 1)
     assert run.ms == 11.0 + 2 * 2.0 + 11.0
     assert run.speedup(11.0) == pytest.approx(4 * 11.0 / run.ms)
+    carried = replay([table], rows, tree, cost, NgramSpec(tokens=3, min_match=1, max_match=2, extend=2))
+    # round 1 also carries on x's prefixes 3 and 3 4 (ranks 0, then 3): "2 3" was followed by
+    # 4 1 (one more accepted, as the copy has), "3 4" by 1 2 (its prefix is not the drafter's
+    # likeliest); both pay their 2 rows. Round 2: nothing follows "5 6" or "6"
+    assert (carried.rounds, carried.tokens) == (2, 4)
+    assert carried.ms == run.ms + 4 * 2.0
     assert Replay().tau == 1.0
 
 

@@ -40,8 +40,12 @@ def test_searching_with_lookups_scores_and_saves_them(tiny):
     spec = NgramSpec(tokens=3, min_match=1, max_match=1)  # random text repeats single tokens
     drafter = init_drafter("parallel", tiny, k=3, depth=1, seed=0)
     tree, report = select_tree(drafter, tiny, _rows(tiny), k=3, budgets=[1, 3], max_ranks=2, context=32, repeats=2, ngram=spec)
-    assert tree.ngram == spec and report["chosen_ngram"] == spec.model_dump()
-    assert all(c["ngram"] == spec.model_dump() for c in report["candidates"])  # no store: one lookup setting
+    assert tree.ngram == NgramSpec.model_validate(report["chosen_ngram"])
+    per_tree = {}
+    for c in report["candidates"]:  # no store: the lookups carrying on the likeliest path vary alone
+        assert c["ngram"] == spec.model_dump() | {"extend": c["ngram"]["extend"]}
+        per_tree.setdefault(str(c["paths"]), []).append(c["ngram"]["extend"])
+    assert all(extend == [0, 2, 4] for extend in per_tree.values())
     assert max(report["candidates"], key=lambda c: c["predicted_speedup"])["paths"] == [list(p) for p in tree.paths]
     assert all(0.0 < c["lookup_rounds"] <= 1.0 and c["graft_row_ms"] >= 0.0 for c in report["candidates"])
 
@@ -60,10 +64,11 @@ def test_searching_with_a_store_tries_its_branch_lengths(tiny):
     for c in report["candidates"]:
         per_tree.setdefault(str(c["paths"]), []).append(c)
     for cands in per_tree.values():  # each tree with the text alone, then 2 and 3 tokens from the store
-        assert [c["ngram"]["store_tokens"] for c in cands] == [0, 2, 3]
-        assert cands[0]["tau"] < cands[1]["tau"] < cands[2]["tau"]  # a right store is accepted
+        assert [(c["ngram"]["store_tokens"], c["ngram"]["extend"]) for c in cands] == [
+            (t, e) for t in (0, 2, 3) for e in (0, 2, 4)]
+        assert cands[0]["tau"] < cands[3]["tau"] < cands[6]["tau"]  # a right store is accepted
     best = max(report["candidates"], key=lambda c: c["predicted_speedup"])
-    assert tree.ngram.store_tokens == best["ngram"]["store_tokens"] == report["chosen_ngram"]["store_tokens"]
+    assert tree.ngram == NgramSpec.model_validate(best["ngram"]) == NgramSpec.model_validate(report["chosen_ngram"])
     assert report["lookup_store_grams"] == len(store.table)
 
 

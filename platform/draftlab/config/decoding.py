@@ -56,6 +56,16 @@ class NgramSpec(StrictModel):
     `lookup-store` (the target's responses to the training prompts; `decoding/ngram.py`),
     if it has one; 0 = never. Shorter than `tokens`: a store match is a weaker guess than
     a copy from the text, and every grafted row costs verify time."""
+    extend: int = Field(0, ge=0, le=64)
+    """Carry on each prefix of the drafter's likeliest path (its argmax at every depth), and
+    `extend_firsts` of the round tree's other first-position candidates, with up to this
+    many tokens: what followed the draft's last n tokens (text and drafts) in the text, else
+    in the `lookup-store`; 0 = never. The tree then has candidates past the drafter's K
+    positions, and after first tokens it drafted little under, in rounds where the text has
+    no copy to offer. Our engine only (vLLM merges the root lookups alone)."""
+    extend_firsts: int = Field(1, ge=0, le=64)
+    """With `extend`: how many of the round tree's other first-position candidates, likeliest
+    first, are carried on too (each costs up to `extend` verified rows)."""
 
     @model_validator(mode="after")
     def _match_range(self) -> NgramSpec:

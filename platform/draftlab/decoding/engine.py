@@ -244,11 +244,19 @@ class Session:
             shape, nodes = tree, torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
         else:
             shape, nodes = tree.round_tree(self.root, dlogits)  # the tree, or this round's part of it
-        branch = self.lookup.propose() if self.lookup is not None and not sample_drafts else []
-        if branch:  # this round's tree plus the copied span
-            grown, ids = graft(shape, nodes.tolist(), branch)
-            if grown is not shape:
-                shape, nodes = grown, torch.tensor(ids, device=dev)
+        if self.lookup is not None and not sample_drafts:  # this round's tree plus the lookups
+            drafted, ids = shape, nodes.tolist()
+            path = drafts.tolist()  # the drafter's likeliest path: its argmax at every depth
+            # each prefix of it and the likeliest other first-position candidates carried on by
+            # a lookup, then the copied span (grafted last, so its rows lead the block as a chain)
+            firsts = [[ids[c]] for c in shape.children[0] if ids[c] != path[0]][: tree.ngram.extend_firsts]
+            starts = [path[:d] for d in range(1, len(path) + 1)] + firsts
+            carried = [start + after for start in starts if (after := self.lookup.propose_after(start))]
+            for branch in (*carried, self.lookup.propose()):
+                if branch:
+                    shape, ids = graft(shape, ids, branch)
+            if shape is not drafted:
+                nodes = torch.tensor(ids, device=dev)
         if shape is tree:  # the static tree's buffers, built once
             rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
             return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)

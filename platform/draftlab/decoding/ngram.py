@@ -113,7 +113,7 @@ class NgramIndex:
 
     def __init__(self, spec: NgramSpec, tokens: list[int], store: NgramStore | None = None):
         self.spec = spec
-        self.store = store if spec.store_tokens else None  # consulted when the text has no match
+        self.store = store if spec.store_tokens or spec.extend else None  # consulted when the text has no match
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}
         self.copy_len = spec.tokens  # the next copy's length
@@ -132,19 +132,35 @@ class NgramIndex:
                     self._next[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(tok)
 
+    def _find(self, toks: list[int]) -> int | None:
+        """Where the text continues the longest suffix of `toks` it holds; None if none."""
+        for n in range(self.spec.max_match, self.spec.min_match - 1, -1):
+            if len(toks) >= n and (start := self._next.get(tuple(toks[-n:]))) is not None:
+                return start
+        return None
+
     def propose(self) -> list[int]:
         """Up to `copy_len` tokens that followed the longest matching suffix in the text,
         else up to `spec.store_tokens` from the store; [] if neither has a match."""
-        toks = self.tokens
-        for n in range(self.spec.max_match, self.spec.min_match - 1, -1):
-            if len(toks) < n:
-                continue
-            start = self._next.get(tuple(toks[-n:]))
-            if start is not None:
-                self._copied = toks[start : start + self.copy_len]
-                return self._copied
+        start = self._find(self.tokens)
+        if start is not None:
+            self._copied = self.tokens[start : start + self.copy_len]
+            return self._copied
         self._copied = []
-        return self.store.propose(toks)[: self.spec.store_tokens] if self.store is not None else []
+        return self.store.propose(self.tokens)[: self.spec.store_tokens] if self.store is not None and self.spec.store_tokens else []
+
+    def propose_after(self, path: list[int]) -> list[int]:
+        """Up to `spec.extend` tokens that followed the text's tokens plus the drafted `path`
+        (not committed) in the text, else in the store; [] if neither has a match."""
+        if not self.spec.extend:
+            return []
+        toks = self.tokens[-self.spec.max_match :] + path  # a suffix match needs no more
+        start = self._find(toks)
+        if start is not None:
+            return self.tokens[start : start + self.spec.extend]
+        if self.store is None:
+            return []
+        return self.store.propose(self.tokens[-self.store.spec.max_match :] + path)[: self.spec.extend]
 
 
 def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology, list[int]]:

@@ -11,12 +11,19 @@ this module walks each held-out response as greedy decoding would:
             (`ranks.rank_tables`, anchor p-1) that is a path of the tree
     lookup: accepted depth = leading tokens of `NgramIndex.propose()` on x_0..x_p (the
             drafter's `NgramStore` where the text has no match) that equal x_{p+1}, x_{p+2}, ...
-    commit max(tree, lookup) + 1 tokens (the bonus), and pay draft + verify of this round
+    carried on (`ngram.extend`): for each prefix of the drafter's likeliest path and the
+            `ngram.extend_firsts` likeliest other first-position candidates, the tokens of
+            `NgramIndex.propose_after(prefix)`; accepted where that prefix is x's (its ranks
+            all 0, or a first-position candidate's rank) as far as they equal x's next tokens
+    commit max(tree, lookup, carried on) + 1 tokens (the bonus), and pay draft + verify of
+    this round
 
 A round's verify cost is the static tree's, plus its share of a grafted branch's cost for
 each row the branch adds: branch rows on the accepted path the tree also has are shared.
 The data are the target's greedy responses (`data.temperature: 0`), so x is the text
-greedy speculative decoding commits.
+greedy speculative decoding commits. Where the drafter's likeliest path is not x's, the replay
+knows its ranks, not its tokens: the rows of the lookups after x's own prefixes stand in for
+the rows the engine pays after the drafted ones.
 """
 
 from __future__ import annotations
@@ -70,6 +77,18 @@ def _matched(branch: list[int], truth: list[int]) -> int:
     )
 
 
+def _carried_on(lookup: NgramIndex, truth: list[int], ranks: list[int], firsts: set[int]) -> tuple[int, int]:
+    """(accepted depth, rows) of the lookups carrying on each prefix of the likeliest path
+    and the other first-position candidates carried on (`firsts`: their ranks)."""
+    depth, rows = 0, 0
+    for d in range(1, len(ranks) + 1):
+        after = lookup.propose_after(truth[:d])
+        rows += len(after) * (1 + len(firsts) if d == 1 else 1)  # x_1's lookup stands in for every first's
+        if after and (all(r == 0 for r in ranks[:d]) or (d == 1 and ranks[0] in firsts)):
+            depth = max(depth, d + _matched(after, truth[d:]))
+    return depth, rows
+
+
 def replay(
     tables: list[torch.Tensor],  # per row (L-1, >= tree depth) ranks, `ranks.rank_tables`
     rows: list[dict],  # the same held-out samples: input_ids, prompt_len
@@ -81,6 +100,8 @@ def replay(
     """Walk every row's response with `tree` (grafting `ngram` lookups, in the text and
     then in `store`, when given)."""
     paths = set(tree.paths)
+    others = sorted(p[0] for p in paths if len(p) == 1 and p[0] != 0)  # the tree's other firsts' ranks
+    firsts = set(others[: ngram.extend_firsts]) if ngram is not None else set()
     out = Replay()
     for table, row in zip(tables, rows, strict=True):
         ids, p = list(row["input_ids"])[: table.shape[0] + 1], int(row["prompt_len"])
@@ -91,8 +112,9 @@ def replay(
             by_tree = _tree_depth(ranks[p - 1], paths)
             branch = lookup.propose() if lookup is not None else []
             by_lookup = _matched(branch, truth)
-            step = min(max(by_tree, by_lookup) + 1, len(truth))
-            out.ms += cost.draft_ms + cost.verify_ms
+            by_path, path_rows = _carried_on(lookup, truth, ranks[p - 1], firsts) if lookup is not None else (0, 0)
+            step = min(max(by_tree, by_lookup, by_path) + 1, len(truth))
+            out.ms += cost.draft_ms + cost.verify_ms + path_rows * cost.graft_row_ms
             if branch:
                 out.lookup_rounds += 1
                 out.ms += (len(branch) - min(by_tree, by_lookup)) * cost.graft_row_ms

@@ -109,15 +109,17 @@ def select_tree(
 
 
 STORE_TOKENS = (0, 2, 3, 5)  # store branch lengths the search tries (0: the text's lookups only)
+EXTEND = (0, 2, 4)  # lengths of the lookups carrying on the likeliest path the search tries
 
 
 def _lookup_options(ngram: NgramSpec | None, store: NgramStore | None) -> list[NgramSpec | None]:
-    """The lookup settings each tree is replayed with: none, `ngram` alone, or (with a
-    store) `ngram` with each store branch length up to `ngram.tokens`."""
-    if ngram is None or store is None:
-        return [ngram]
-    lengths = sorted({min(t, ngram.tokens) for t in STORE_TOKENS})
-    return [ngram.model_copy(update={"store_tokens": t}) for t in lengths]
+    """The lookup settings each tree is replayed with: none, or `ngram` with each length of
+    the lookups carrying on the likeliest path, and (with a store) each store branch length
+    up to `ngram.tokens`."""
+    if ngram is None:
+        return [None]
+    lengths = sorted({min(t, ngram.tokens) for t in STORE_TOKENS}) if store is not None else [ngram.store_tokens]
+    return [ngram.model_copy(update={"store_tokens": t, "extend": e}) for t in lengths for e in EXTEND]
 
 
 def _with_branch(tree: Tree, tokens: int):
