@@ -79,12 +79,13 @@ def test_round_costs_and_shared_branch_rows():
     assert (run.rounds, run.tokens, run.lookup_rounds) == (2, 4, 1)
     assert run.ms == 11.0 + 2 * 2.0 + 11.0
     assert run.speedup(11.0) == pytest.approx(4 * 11.0 / run.ms)
+    cost = RoundCost(draft_ms=1.0, verify_ms=10.0, graft_row_ms=2.0, carried_row_ms=3.0)
     carried = replay([table], rows, tree, cost, NgramSpec(tokens=3, min_match=1, max_match=2, extend=2))
     # round 1 also carries on x's prefixes 3 and 3 4 (ranks 0, then 3): "2 3" was followed by
     # 4 1 (one more accepted, as the copy has), "3 4" by 1 2 (its prefix is not the drafter's
-    # likeliest); both pay their 2 rows. Round 2: nothing follows "5 6" or "6"
+    # likeliest); both pay their 2 rows, off the leading chain. Round 2: nothing follows "5 6" or "6"
     assert (carried.rounds, carried.tokens) == (2, 4)
-    assert carried.ms == run.ms + 4 * 2.0
+    assert carried.ms == run.ms + 4 * 3.0  # carried-on rows at their own (tree-row) price
     assert Replay().tau == 1.0
 
 

@@ -43,7 +43,8 @@ class RoundCost:
 
     draft_ms: float
     verify_ms: float  # the static tree
-    graft_row_ms: float = 0.0  # each row a grafted lookup branch adds
+    graft_row_ms: float = 0.0  # each row a grafted lookup branch adds (the block's leading chain)
+    carried_row_ms: float = 0.0  # each row a carried-on lookup adds (tree rows, off that chain)
 
 
 @dataclass
@@ -114,7 +115,7 @@ def replay(
             by_lookup = _matched(branch, truth)
             by_path, path_rows = _carried_on(lookup, truth, ranks[p - 1], firsts) if lookup is not None else (0, 0)
             step = min(max(by_tree, by_lookup, by_path) + 1, len(truth))
-            out.ms += cost.draft_ms + cost.verify_ms + path_rows * cost.graft_row_ms
+            out.ms += cost.draft_ms + cost.verify_ms + path_rows * cost.carried_row_ms
             if branch:
                 out.lookup_rounds += 1
                 out.ms += (len(branch) - min(by_tree, by_lookup)) * cost.graft_row_ms

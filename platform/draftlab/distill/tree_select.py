@@ -24,7 +24,7 @@ from draftlab.cluster import output_dir
 from draftlab.config import DistillConfig, NgramSpec
 from draftlab.data.selfdistill import load_or_generate
 from draftlab.decoding.ngram import NgramStore, graft
-from draftlab.decoding.tree import Tree, load_tree, split_ngram
+from draftlab.decoding.tree import Topology, Tree, load_tree, split_ngram
 from draftlab.decoding.tree_files import save_tree
 from draftlab.decoding.tree_search import best_tree, expected_accepted
 from draftlab.distill.ranks import acceptance_rates, rank_tables
@@ -66,17 +66,21 @@ def select_tree(
         trees.setdefault(tree.paths, tree)  # budgets past the useful paths give the same tree
     candidates = list(trees.values())
     grafted = [_with_branch(t, ngram.tokens) for t in candidates] if ngram else []
-    decode, *verify = verify_ms(target, [None, *candidates, *grafted], context, repeats)
-    plain, with_branch = verify[: len(candidates)], verify[len(candidates) :] or verify
+    twice = [_with_branch(t, ngram.tokens, token=2) for t in grafted]  # the first branch now tree rows
+    decode, *verify = verify_ms(target, [None, *candidates, *grafted, *twice], context, repeats)
+    n = len(candidates)
+    plain, with_branch, with_two = verify[:n], verify[n : 2 * n] or verify[:n], verify[2 * n :] or verify[:n]
     drafting = {
         d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})
     }
     lookups = _lookup_options(ngram, store)
     table, chosen = [], []
-    for tree, v, vb in zip(candidates, plain, with_branch, strict=True):
+    for tree, v, vb, vb2 in zip(candidates, plain, with_branch, with_two, strict=True):
         row_ms = max(0.0, vb - v) / ngram.tokens if ngram else 0.0
+        tree_row_ms = max(row_ms, (vb2 - vb) / ngram.tokens) if ngram else 0.0  # rows off the leading chain
         for spec in lookups:
-            run = replay(tables, rows, tree, RoundCost(drafting[tree.depth], v, row_ms), spec, store)
+            cost = RoundCost(drafting[tree.depth], v, row_ms, tree_row_ms)
+            run = replay(tables, rows, tree, cost, spec, store)
             chosen.append(tree.with_ngram(spec) if spec else tree)
             table.append(
                 {
@@ -90,6 +94,7 @@ def select_tree(
                     "lookup_rounds": run.lookup_rounds / run.rounds if run.rounds else 0.0,
                     "verify_ms": v,
                     "graft_row_ms": row_ms,
+                    "carried_row_ms": tree_row_ms,
                     "draft_ms": drafting[tree.depth],
                     "predicted_speedup": run.speedup(decode),
                 }
@@ -122,10 +127,11 @@ def _lookup_options(ngram: NgramSpec | None, store: NgramStore | None) -> list[N
     return [ngram.model_copy(update={"store_tokens": t, "extend": e}) for t in lengths for e in EXTEND]
 
 
-def _with_branch(tree: Tree, tokens: int):
-    """`tree` with a `tokens`-long lookup branch that shares no node: a round's worst case."""
+def _with_branch(tree: Topology, tokens: int, token: int = 1) -> Topology:
+    """`tree` with a `tokens`-long lookup branch of `token`s that shares no node (the tree's
+    are 0 and earlier branches' other tokens): a round's worst case."""
     nodes = [0] * (tree.num_nodes + 1)
-    return graft(tree, nodes, [1] * tokens)[0]
+    return graft(tree, nodes, [token] * tokens)[0]
 
 
 def _held_out_acceptance(
