@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ngram-store-tokens", type=int, default=NgramSpec().store_tokens,
                    help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only")
     b.add_argument("--ngram-extend", type=int, default=NgramSpec().extend,
-                   help="*_ngram in our engine: carry on each prefix of the drafter's likeliest path with up to this many looked-up tokens (text, then store); 0 = off")
+                   help="*_ngram in our engine: carry on each prefix of the drafter's likeliest path (and its next likeliest first token) with up to this many looked-up tokens (text, then store); 0 = off")
     b.add_argument("--vllm-memory-fraction", type=float, default=VllmBenchSpec().memory_fraction,
                    help="vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for weights + KV cache")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")

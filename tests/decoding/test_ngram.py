@@ -77,9 +77,6 @@ class TruthLookup:
         span = self.truth[self.seen + 1 : self.seen + 7]
         return span[: self.right] + [(t + 1) % self.vocab for t in span[self.right :]]
 
-    def propose_after(self, path: list[int]) -> list[int]:
-        return []  # the copy alone
-
 
 @pytest.mark.parametrize("right", [6, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tree", [Tree.chain(3), load_tree("default")], ids=lambda t: t.name)

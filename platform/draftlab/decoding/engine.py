@@ -245,18 +245,16 @@ class Session:
         else:
             shape, nodes = tree.round_tree(self.root, dlogits)  # the tree, or this round's part of it
         if self.lookup is not None and not sample_drafts:  # this round's tree plus the lookups
-            drafted, ids = shape, nodes.tolist()
-            path = drafts.tolist()  # the drafter's likeliest path: its argmax at every depth
-            # each prefix of it and the likeliest other first-position candidates carried on by
-            # a lookup, then the copied span (grafted last, so its rows lead the block as a chain)
-            firsts = [[ids[c]] for c in shape.children[0] if ids[c] != path[0]][: tree.ngram.extend_firsts]
-            starts = [path[:d] for d in range(1, len(path) + 1)] + firsts
-            carried = [start + after for start in starts if (after := self.lookup.propose_after(start))]
+            ids = nodes.tolist()
+            # the drafter's likeliest path (its argmax at every depth) and first-position
+            # candidates carried on, then the copied span (grafted last: its rows lead the block)
+            carried = self.lookup.carried(drafts.tolist(), [ids[c] for c in shape.children[0]]) if tree.ngram.extend else []
+            grown = shape
             for branch in (*carried, self.lookup.propose()):
                 if branch:
-                    shape, ids = graft(shape, ids, branch)
-            if shape is not drafted:
-                nodes = torch.tensor(ids, device=dev)
+                    grown, ids = graft(grown, ids, branch)
+            if grown is not shape:
+                shape, nodes = grown, torch.tensor(ids, device=dev)
         if shape is tree:  # the static tree's buffers, built once
             rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
             return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)

@@ -162,6 +162,14 @@ class NgramIndex:
             return []
         return self.store.propose(self.tokens[-self.store.spec.max_match :] + path)[: self.spec.extend]
 
+    def carried(self, path: list[int], firsts: list[int]) -> list[list[int]]:
+        """Branches carrying on each prefix of the drafter's likeliest `path` and the
+        `spec.extend_firsts` likeliest of its other first-position candidates (`firsts`, the
+        round tree's, likeliest first) by `propose_after`; those with no match are left out."""
+        others = [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts]
+        starts = [path[:d] for d in range(1, len(path) + 1)] + others
+        return [start + after for start in starts if (after := self.propose_after(start))]
+
 
 def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology, list[int]]:
     """Add the token path `branch` (starting below the root) to `tree` whose node tokens are
