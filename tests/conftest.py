@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import distill_support
 from draftlab.models.target import load_target
 from mlflow_server import MlflowServer
 
@@ -52,6 +53,14 @@ def _threads_unchanged():
     threads = torch.get_num_threads()
     yield
     assert torch.get_num_threads() == threads, f"this module left torch at {torch.get_num_threads()} threads (was {threads})"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_tiny_data(tmp_path_factory):
+    """One prompt file and data cache for every `distill_support.tiny_config` of the session."""
+    distill_support.SHARED = tmp_path_factory.mktemp("tiny-data")
+    yield
+    distill_support.SHARED = None
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,9 @@ another temperature; the "always accept the sampled drafts" distribution p(t1) q
 a deliberately broken acceptance rule run through the real engine) and must reject them,
 so a pass above is evidence, not a statistic that cannot fail.
 
-Cost: ~5-7 ms per `generate` call on one CPU core; N = 1500 samples x 5 cases, plus one
-broken-engine run, keeps the file around 50 s on a 2-core CPU.
+Cost: ~10-20 ms per `generate` call on one CPU core (the tiny model's forwards are Python
+overhead); each case draws half of its N = 1500 samples in a second process
+(`lossless_support.draw_both`), so the 7 cases and the broken-engine run use both cores.
 """
 
 from __future__ import annotations
@@ -40,30 +41,16 @@ import math
 import pytest
 import torch
 
-from draftlab.config import NgramSpec, SamplingParams
+import lossless_support
 from draftlab.decoding import acceptance, engine
 from draftlab.decoding.acceptance import process_logits
-from draftlab.decoding.engine import SpeculativeDecoder
-from draftlab.decoding.tree import Tree, load_tree
 from draftlab.models.drafters.build import init_drafter
-from draftlab.models.target import load_target
+from lossless_support import LENGTH, PROMPT, V, draw, draw_both
 
-V = 8
-LENGTH = 3  # tokens whose joint distribution is enumerated: V**LENGTH = 512 outcomes
-PROMPT = [4, 5, 5]  # chosen for a spread-out target distribution (entropy ~3.1 nats at T=1)
 N = 1500  # speculative samples per case
 ALPHA = 1e-3  # chi-square: false-failure probability per case
 DELTA = 1e-3  # TV bound: false-failure probability per case
 MIN_EXPECTED = 5.0
-
-WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-
-
-def _tree(name: str) -> Tree:
-    """A preset, or `wide-7` (WIDE); `@n` verifies n of its nodes per round (`per_round`)."""
-    base, _, per_round = name.partition("@")
-    tree = Tree.from_paths(WIDE, name="wide-7") if base == "wide-7" else load_tree(base)
-    return tree.with_per_round(int(per_round)) if per_round else tree
 
 
 # -- exact distribution ------------------------------------------------------------------
@@ -73,10 +60,17 @@ def _tree(name: str) -> Tree:
 def target():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only add overhead
-    t = load_target("tiny-llama-v8")
+    t = lossless_support.target()  # the one the decoders of `draw` verify with
     assert t.vocab_size == V and not t.eos_token_ids  # no EOS: every sample has 3 tokens
     yield t
     torch.set_num_threads(threads)  # the rest of the suite runs as it would alone
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """The second process `draw_both` draws half of each case's samples in."""
+    with lossless_support.worker_pool() as p:
+        yield p
 
 
 @torch.inference_mode()
@@ -193,16 +187,10 @@ def _multinomial_samples(probs: torch.Tensor, n: int, seed: int) -> list[tuple[i
 # -- the speculative sampler ---------------------------------------------------------------
 
 
-def speculative_samples(decoder: SpeculativeDecoder, params: dict, n: int, seed0: int):
-    samples, accepted = [], 0
-    for i in range(n):
-        r = decoder.generate(
-            PROMPT, SamplingParams(max_new_tokens=LENGTH, seed=seed0 + i, **params)
-        )
-        assert len(r.tokens) == LENGTH
-        samples.append(tuple(r.tokens))
-        accepted += r.stats.accepted
-    return samples, accepted / n
+def speculative_samples(draws: list) -> tuple[list[tuple[int, ...]], float]:
+    """`draw`'s results -> the 3-token samples and the mean accepted drafts per sample."""
+    assert all(len(tokens) == LENGTH for tokens, *_ in draws)
+    return [tokens for tokens, *_ in draws], sum(accepted for _, accepted, *_ in draws) / len(draws)
 
 
 CASES = [
@@ -219,18 +207,15 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("family,tree,temperature,top_p", CASES)
 def test_speculative_sampling_matches_exact_target_distribution(
-    target, family, tree, temperature, top_p
+    target, pool, family, tree, temperature, top_p
 ):
     # Float noise between the engine's cached forwards and our full forwards must not move
     # a token across the nucleus boundary, or the "exact" distribution would not be exact.
     assert nucleus_margin(target, PROMPT, temperature, top_p) > 1e-4
     exact = exact_distribution(target, PROMPT, temperature, top_p)
-    drafter = init_drafter(family, target, k=4, depth=1, seed=0)  # untrained: q != p
-    decoder = SpeculativeDecoder(target, drafter, _tree(tree))
     seed0 = 100_000 * (1 + CASES.index((family, tree, temperature, top_p)))
-    samples, mean_accepted = speculative_samples(
-        decoder, dict(temperature=temperature, top_p=top_p), N, seed0
-    )
+    samples, mean_accepted = speculative_samples(draw_both(  # an untrained drafter: q != p
+        pool, (family, tree), dict(temperature=temperature, top_p=top_p), list(range(seed0, seed0 + N))))
     s = goodness_of_fit(samples, exact)
     print(
         f"\n[{family} {tree} T={temperature} top_p={top_p}] {_fmt(s)} mean_accepted={mean_accepted:.3f}"
@@ -245,24 +230,16 @@ def test_speculative_sampling_matches_exact_target_distribution(
 
 
 @pytest.mark.slow
-def test_grafted_lookup_drafts_keep_the_target_distribution(target):
+def test_grafted_lookup_drafts_keep_the_target_distribution(target, pool):
     """Prompt-lookup branches grafted onto a top-k tree (copies at the root, and lookups
     carrying on the drafter's likeliest path) are further point-mass siblings; the output
     stays exact. (1-gram lookups in this 8-token vocabulary add new nodes on ~12% of
     rounds; the rest match nothing or only repeat the tree's own tokens.)"""
     exact = exact_distribution(target, PROMPT, 1.0, 1.0)
-    drafter = init_drafter("parallel", target, k=4, depth=1, seed=0)
-    tree = _tree("small-6")
-    decoder = SpeculativeDecoder(target, drafter, tree.with_ngram(NgramSpec(tokens=3, min_match=1, max_match=2, extend=2)))
-    samples, rounds, grafted_rounds = [], 0, 0
-    for i in range(N):
-        session = decoder.start(PROMPT, SamplingParams(max_new_tokens=LENGTH, seed=700_000 + i, temperature=1.0))
-        while not session.done:
-            before = session.stats.drafted
-            session.step()
-            rounds += 1
-            grafted_rounds += session.stats.drafted - before > tree.num_nodes
-        samples.append(tuple(session.result().tokens))
+    lookups = tuple(dict(tokens=3, min_match=1, max_match=2, extend=2).items())
+    draws = draw_both(pool, ("parallel", "small-6", lookups), dict(temperature=1.0), list(range(700_000, 700_000 + N)))
+    samples, _ = speculative_samples(draws)
+    rounds, grafted_rounds = sum(d[2] for d in draws), sum(d[3] for d in draws)
     s = goodness_of_fit(samples, exact)
     print(f"\n[grafted lookups small-6] {_fmt(s)} grafted rounds {grafted_rounds}/{rounds}")
     assert grafted_rounds > rounds / 10, "lookups must graft nodes on many rounds, or this tests nothing new"
@@ -338,11 +315,10 @@ def _buggy_sampled_walk(tree, nodes, target_probs, draft_probs, gen):
 @pytest.mark.slow
 def test_statistic_rejects_a_broken_acceptance_rule(target, monkeypatch):
     """End to end through the engine: the residual bug above must be caught at this N."""
-    monkeypatch.setattr(engine, "sampled_walk", _buggy_sampled_walk)
+    monkeypatch.setattr(engine, "sampled_walk", _buggy_sampled_walk)  # in this process: all N drawn here
     exact = exact_distribution(target, PROMPT, 1.0, 1.0)
-    drafter = init_drafter("parallel", target, k=4, depth=1, seed=0)
-    decoder = SpeculativeDecoder(target, drafter, Tree.chain(3))
-    samples, _ = speculative_samples(decoder, dict(temperature=1.0, top_p=1.0), N, seed0=900_000)
+    samples, _ = speculative_samples(draw(("parallel", "chain-3"), dict(temperature=1.0, top_p=1.0),
+                                          list(range(900_000, 900_000 + N))))
     s = goodness_of_fit(samples, exact)
     print(f"\n[broken residual] {_fmt(s)}")
     assert not passes(s), f"a broken acceptance rule passed the lossless test: {_fmt(s)}"

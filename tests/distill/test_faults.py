@@ -1,13 +1,12 @@
 """Faults injected for real into tiny distillation runs: a checkpoint save SIGKILLed part-way,
-damaged checkpoints, the node hosting the training worker removed from a
-`ray.cluster_utils.Cluster`, and the MLflow server stopped during training (for a while,
-then for longer than `tracking.max_outage_s`). Recovery times are printed (`pytest -s`)."""
+damaged checkpoints, the MLflow server stopped during training while the node hosting the
+training worker is removed from a `ray.cluster_utils.Cluster`, and the server down for
+longer than `tracking.max_outage_s`. Recovery times are printed (`pytest -s`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -350,49 +349,17 @@ def test_tracker_outage_bookkeeping_never_blocks_and_never_duplicates(mlflow_ser
 
 
 @pytest.mark.slow
-def test_lost_node_resumes_from_the_latest_checkpoint_on_a_new_node(cluster, mlflow_server, tmp_module):
-    epochs = 20
-    cfg = tiny_config(
-        tmp_module, "lost-node", mlflow_server.url, bench=BenchSpec(enabled=False),
-        train=TrainConfig(epochs=epochs, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=3, eval_every=100, log_every=1),
-    )
-    run_dir = Path(cfg.storage_path) / cfg.name
-    thread, box = _start(cfg)
-    wait_for(lambda: committed_checkpoint(run_dir), 240, "a committed checkpoint")
-    (node,) = cluster.worker_nodes
-    workers = wait_for(lambda: _train_workers(cluster), 30, "the training worker")
-    assert {w.info["ppid"] for w in workers} == {_raylet(node)}  # the worker runs on the node we remove
-
-    t0 = time.monotonic()
-    cluster.remove_node(node)  # every process of the node: raylet, training worker, ...
-    time.sleep(3)  # no CPU left in the cluster: Train waits for resources
-    latest = committed_checkpoint(run_dir)  # the last checkpoint committed before the node went
-    new = cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
-    t_added = time.monotonic()
-    resumed = wait_for(lambda: (s := committed_checkpoint(run_dir)) and s["step"] > latest["step"] and s, 180,
-                    "a checkpoint after the restart")
-    t_resumed = time.monotonic()
-    summary = _finish(thread, box)
-    print(f"\nnode removed after the checkpoint of step {latest['step']}; a new node added {t_added - t0:.1f} s "
-          f"later; the next checkpoint (step {resumed['step']}) {t_resumed - t_added:.1f} s after it came; "
-          f"run done {time.monotonic() - t0:.1f} s after the loss")
-
-    assert summary["resumed_from_step"] == latest["step"] > 0  # the latest checkpoint, not from scratch
-    assert summary["steps"] == epochs * STEPS_PER_EPOCH and summary["epochs_done"] == epochs  # as uninterrupted
-    assert summary["worker_nodes"] == [new.node_id]
-    steps = _history(mlflow_server.url, summary["mlflow_run_id"])
-    assert steps["loss"] == list(range(1, epochs * STEPS_PER_EPOCH + 1))  # no gap, no duplicate
-    assert mlflow.MlflowClient(mlflow_server.url).get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
-
-
-@pytest.mark.slow
-def test_mlflow_outage_training_goes_on_and_no_metric_is_lost(cluster, mlflow_server, tmp_module):
-    """The server is down ~30 s; meanwhile a checkpoint is committed and the training worker
-    is SIGKILLed: the metrics only that checkpoint holds reach MLflow after the restart."""
+def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_metric(cluster, mlflow_server, tmp_module):
+    """The MLflow server goes down; during the outage a checkpoint is committed holding
+    metrics the server never got, then the node running the training worker is removed
+    (raylet, worker and what it had buffered). Train waits for resources, resumes from that
+    checkpoint on a new node and checkpoints again, still during the outage; the server comes
+    back after ~30 s. The run ends as an uninterrupted one would, every metric logged once."""
+    epochs = 100  # 600 steps: still training when the node goes (at step ~60)
     cfg = tiny_config(
         tmp_module, "outage", mlflow_server.url, bench=BenchSpec(enabled=False),
-        train=TrainConfig(epochs=10_000, time_budget_minutes=0.75, batch_size=2, lr=3e-3, warmup_steps=2,
-                          checkpoint_every=50, eval_every=40, log_every=1),
+        train=TrainConfig(epochs=epochs, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=30, eval_every=40,
+                          log_every=1),
         tracking=TrackingSpec(tracking_uri=mlflow_server.url, experiment="draftlab-test-outage", max_outage_s=120),
     )
     run_dir = Path(cfg.storage_path) / cfg.name
@@ -418,25 +385,33 @@ def test_mlflow_outage_training_goes_on_and_no_metric_is_lost(cluster, mlflow_se
     ckpt = wait_for(held_back, 60, "a checkpoint committed during the outage")
     held = ckpt["pending_steps"]  # what MLflow had not received: delivered up to just before them
     assert held and held[0] > delivered and held == list(range(held[0], ckpt["step"] + 1))
-    for w in _train_workers(cluster):
-        os.kill(w.info["pid"], signal.SIGKILL)  # crash: what it had buffered dies with it
-    t_kill = time.monotonic()
-    after = wait_for(lambda: (s := committed_checkpoint(run_dir)) and s["step"] > ckpt["step"] and s, 90,
-                  "a checkpoint of the restarted worker, still during the outage")
-    t_progress = time.monotonic()
+    (node,) = cluster.worker_nodes
+    workers = wait_for(lambda: _train_workers(cluster), 30, "the training worker")
+    assert {w.info["ppid"] for w in workers} == {_raylet(node)}  # the worker runs on the node we remove
+    t_lost = time.monotonic()
+    cluster.remove_node(node)  # every process of the node: raylet, training worker, ...
+    time.sleep(3)  # no CPU left in the cluster: Train waits for resources
+    latest = committed_checkpoint(run_dir)  # the last checkpoint committed before the node went
+    new = cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
+    t_added = time.monotonic()
+    after = wait_for(lambda: (s := committed_checkpoint(run_dir)) and s["step"] > latest["step"] and s, 180,
+                     "a checkpoint on the new node, still during the outage")
+    t_resumed = time.monotonic()
     assert not mlflow_server.healthy()
     time.sleep(max(0.0, 22 - (time.monotonic() - t_down)))  # + ~8-14 s of server start-up
     mlflow_server.start()
     t_up = time.monotonic()
     summary = _finish(thread, box)
     print(f"\noutage {t_up - t_down:.1f} s; checkpoints at steps {before['step']} (before), {ckpt['step']} "
-          f"(during, {len(ckpt['pending_steps'])} steps held back), {after['step']} (after the worker restart, "
-          f"{t_progress - t_kill:.1f} s after the kill); run finished {time.monotonic() - t_up:.1f} s after the "
-          f"server returned, at step {summary['steps']}")
+          f"(during, {len(held)} steps held back); node removed {t_lost - t_down:.1f} s into the outage after the "
+          f"checkpoint of step {latest['step']}, a new one added {t_added - t_lost:.1f} s later; the next "
+          f"checkpoint (step {after['step']}) {t_resumed - t_added:.1f} s after it came; run finished "
+          f"{time.monotonic() - t_up:.1f} s after the server returned")
 
     assert t_up - t_down >= 25
-    assert summary["resumed_from_step"] >= ckpt["step"]
-    assert summary["stopped_by_budget"]
+    assert summary["resumed_from_step"] == latest["step"] >= ckpt["step"]  # the latest checkpoint, not from scratch
+    assert summary["steps"] == epochs * STEPS_PER_EPOCH and summary["epochs_done"] == epochs  # as uninterrupted
+    assert summary["worker_nodes"] == [new.node_id]
     history = _history(mlflow_server.url, summary["mlflow_run_id"])
     assert history["loss"] == list(range(1, summary["steps"] + 1))  # every step once: none lost, none twice
     for key, steps in history.items():
