@@ -29,8 +29,9 @@ a deliberately broken acceptance rule run through the real engine) and must reje
 so a pass above is evidence, not a statistic that cannot fail.
 
 Cost: ~10-20 ms per `generate` call on one CPU core (the tiny model's forwards are Python
-overhead); each case draws half of its N = 1500 samples in a second process
-(`lossless_support.draw_both`), so the 7 cases and the broken-engine run use both cores.
+overhead). The six cases and the grafted-lookup case draw half of their N = 1500 samples
+each in a second process (`lossless_support.draw_both`), so they use both cores; the
+broken-engine run draws all of its samples here, where its patch applies.
 """
 
 from __future__ import annotations
