@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 from concurrent.futures import Executor, ProcessPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -48,9 +49,17 @@ def decoder(family: str, tree: str, ngram: tuple | None = None) -> SpeculativeDe
     return SpeculativeDecoder(target(), init_drafter(family, target(), k=4, depth=1, seed=0), shape)
 
 
-def draw(case: tuple, params: dict, seeds: list[int]) -> list[tuple[tuple[int, ...], int, int, int]]:
-    """Per seed: (tokens, accepted drafts, rounds, rounds that verified more than the tree's
-    own nodes, i.e. grafted lookups) of one `generate` of PROMPT."""
+class Draw(NamedTuple):
+    """One `generate` of PROMPT."""
+
+    tokens: tuple[int, ...]
+    accepted: int  # drafts accepted
+    rounds: int
+    grafted: int  # rounds that verified more than the tree's own nodes (grafted lookups)
+
+
+def draw(case: tuple, params: dict, seeds: list[int]) -> list[Draw]:
+    """One `Draw` per seed, in order."""
     dec, out = decoder(*case), []
     for seed in seeds:
         session = dec.start(PROMPT, SamplingParams(max_new_tokens=LENGTH, seed=seed, **params))
@@ -61,7 +70,7 @@ def draw(case: tuple, params: dict, seeds: list[int]) -> list[tuple[tuple[int, .
             rounds += 1
             grafted += session.stats.drafted - before > dec.tree.num_nodes
         result = session.result()
-        out.append((tuple(result.tokens), result.stats.accepted, rounds, grafted))
+        out.append(Draw(tuple(result.tokens), result.stats.accepted, rounds, grafted))
     return out
 
 
@@ -77,11 +86,13 @@ def worker_pool() -> Executor:
     """One spawned worker process (fork is unsafe once torch's OpenMP threads exist), checked
     to hold the same target weights as this process."""
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
-    assert pool.submit(_fingerprint).result(timeout=240) == _fingerprint(), "the worker's target differs"
+    if pool.submit(_fingerprint).result(timeout=240) != _fingerprint():
+        pool.shutdown()
+        raise AssertionError("the worker process's tiny-llama-v8 weights differ from this process's")
     return pool
 
 
-def draw_both(pool: Executor, case: tuple, params: dict, seeds: list[int]) -> list:
+def draw_both(pool: Executor, case: tuple, params: dict, seeds: list[int]) -> list[Draw]:
     """`draw` of `seeds`: the first half in `pool`'s worker, the rest here, in seed order."""
     half = len(seeds) // 2
     theirs = pool.submit(draw, case, params, seeds[:half])

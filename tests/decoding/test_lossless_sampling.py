@@ -46,7 +46,7 @@ import lossless_support
 from draftlab.decoding import acceptance, engine
 from draftlab.decoding.acceptance import process_logits
 from draftlab.models.drafters.build import init_drafter
-from lossless_support import LENGTH, PROMPT, V, draw, draw_both
+from lossless_support import LENGTH, PROMPT, Draw, V, draw, draw_both
 
 N = 1500  # speculative samples per case
 ALPHA = 1e-3  # chi-square: false-failure probability per case
@@ -188,10 +188,10 @@ def _multinomial_samples(probs: torch.Tensor, n: int, seed: int) -> list[tuple[i
 # -- the speculative sampler ---------------------------------------------------------------
 
 
-def speculative_samples(draws: list) -> tuple[list[tuple[int, ...]], float]:
-    """`draw`'s results -> the 3-token samples and the mean accepted drafts per sample."""
-    assert all(len(tokens) == LENGTH for tokens, *_ in draws)
-    return [tokens for tokens, *_ in draws], sum(accepted for _, accepted, *_ in draws) / len(draws)
+def speculative_samples(draws: list[Draw]) -> tuple[list[tuple[int, ...]], float]:
+    """The 3-token samples and the mean accepted drafts per sample."""
+    assert all(len(d.tokens) == LENGTH for d in draws)
+    return [d.tokens for d in draws], sum(d.accepted for d in draws) / len(draws)
 
 
 CASES = [
@@ -240,7 +240,7 @@ def test_grafted_lookup_drafts_keep_the_target_distribution(target, pool):
     lookups = tuple(dict(tokens=3, min_match=1, max_match=2, extend=2).items())
     draws = draw_both(pool, ("parallel", "small-6", lookups), dict(temperature=1.0), list(range(700_000, 700_000 + N)))
     samples, _ = speculative_samples(draws)
-    rounds, grafted_rounds = sum(d[2] for d in draws), sum(d[3] for d in draws)
+    rounds, grafted_rounds = sum(d.rounds for d in draws), sum(d.grafted for d in draws)
     s = goodness_of_fit(samples, exact)
     print(f"\n[grafted lookups small-6] {_fmt(s)} grafted rounds {grafted_rounds}/{rounds}")
     assert grafted_rounds > rounds / 10, "lookups must graft nodes on many rounds, or this tests nothing new"
