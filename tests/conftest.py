@@ -64,6 +64,16 @@ def _shared_tiny_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory):
+    """One real tracking server for the session's integration modules (~15 s of CPU a start).
+    Tests that read back runs, versions or aliases name their own experiment or read the
+    versions they created; modules that take their server down (`distill/test_faults.py`) or
+    count registry versions from 1 (`test_tracking.py`) start their own."""
+    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
 def tiny():
     return load_target("tiny-llama")
 

@@ -19,7 +19,6 @@ from draftlab.decoding.tree import load_tree
 from draftlab.decoding.tree_search import best_tree
 from draftlab.distill.launch import run_distill
 from draftlab.distill.tree_select import choose_tree_for_run
-from mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +35,6 @@ def cluster():
     yield c, nodes
     ray.shutdown()
     c.shutdown()
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_module):
-    with MlflowServer(root=tmp_module / "mlflow") as server:
-        yield server.url
 
 
 def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):

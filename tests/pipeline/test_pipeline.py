@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from draftlab.cli import main
 from draftlab.config import TargetSpec
 from draftlab.pipeline.runner import float32_note, format_summary, run_pipeline
-from mlflow_server import MlflowServer, free_port
+from mlflow_server import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +33,6 @@ def ray_local():
 
     serve.shutdown()
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
-        yield server.url
 
 
 def pipeline_file(tmp: Path, uri: str, port: int) -> Path:

@@ -23,7 +23,6 @@ from draftlab.serve.app import build_app
 from draftlab.serve.loadtest import run_loadtest
 from draftlab.serve.pair import resolve_pair
 from draftlab.storage import mirror_dir
-from mlflow_server import MlflowServer
 from serve_support import local_serve
 
 pytestmark = pytest.mark.slow
@@ -175,49 +174,48 @@ def test_serve_status_lists_the_app():
 # ----------------------------------------------------------------- MLflow champion
 
 
-def test_serves_the_champion_from_the_mlflow_registry(base_url, tiny, tmp_path, monkeypatch):
+def test_serves_the_champion_from_the_mlflow_registry(base_url, tiny, mlflow_uri, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     from draftlab.tracking import promote
 
-    with MlflowServer(root=tmp_path / "mlflow") as server:
-        client = MlflowClient(server.url)
-        drafter_dir = init_drafter("parallel", tiny, k=3, depth=1, seed=5).save(tmp_path / "drafter")
-        (drafter_dir / "tree.json").write_text("[[0], [1], [0, 0]]")
-        exp = client.create_experiment("serve-test")
-        run = client.create_run(exp, tags={"draftlab.target": TINY})
-        client.log_artifacts(run.info.run_id, str(drafter_dir), "drafter")
-        client.set_terminated(run.info.run_id)
-        champ = promote(run.info.run_id, tracking_uri=server.url)
-        assert champ["model"] == "draftlab-tiny-llama-drafter"
+    client = MlflowClient(mlflow_uri)
+    drafter_dir = init_drafter("parallel", tiny, k=3, depth=1, seed=5).save(tmp_path / "drafter")
+    (drafter_dir / "tree.json").write_text("[[0], [1], [0, 0]]")
+    exp = client.create_experiment("serve-test")
+    run = client.create_run(exp, tags={"draftlab.target": TINY})
+    client.log_artifacts(run.info.run_id, str(drafter_dir), "drafter")
+    client.set_terminated(run.info.run_id)
+    champ = promote(run.info.run_id, tracking_uri=mlflow_uri)
+    assert champ["model"] == "draftlab-tiny-llama-drafter"
 
-        args = ServeArgs(model_uri=f"models:/{champ['model']}@champion", tracking_uri=server.url,
-                         api_keys=["sekret"], **ENGINE)
-        serve.run(build_app(args), name="champ", route_prefix="/champ")
-        try:
-            secured = openai.OpenAI(base_url=f"{base_url}/champ/v1", api_key="sekret", max_retries=0, timeout=120)
-            info = secured.models.list().data[0]
-            assert info.id == TINY  # the drafter's config named its target
-            extra = info.model_extra["draftlab"]
-            assert extra["source"]["version"] == champ["version"] and extra["tree"] == [[0], [1], [0, 0]]
-            out = secured.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Hi"}], max_tokens=20)
-            assert out.choices[0].message.content == reference(tiny, "Hi", 20)
-            with pytest.raises(openai.AuthenticationError):
-                openai.OpenAI(base_url=f"{base_url}/champ/v1", api_key="wrong", max_retries=0).models.list()
-        finally:
-            serve.delete("champ")
+    args = ServeArgs(model_uri=f"models:/{champ['model']}@champion", tracking_uri=mlflow_uri,
+                     api_keys=["sekret"], **ENGINE)
+    serve.run(build_app(args), name="champ", route_prefix="/champ")
+    try:
+        secured = openai.OpenAI(base_url=f"{base_url}/champ/v1", api_key="sekret", max_retries=0, timeout=120)
+        info = secured.models.list().data[0]
+        assert info.id == TINY  # the drafter's config named its target
+        extra = info.model_extra["draftlab"]
+        assert extra["source"]["version"] == champ["version"] and extra["tree"] == [[0], [1], [0, 0]]
+        out = secured.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Hi"}], max_tokens=20)
+        assert out.choices[0].message.content == reference(tiny, "Hi", 20)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base_url}/champ/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        serve.delete("champ")
 
-        # One local copy per machine, reused by every replica and restart; fetched again
-        # when the stored files change.
-        monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
-        first = Path(resolve_pair(args).drafter)
-        assert first == mirror_dir(f"runs:/{run.info.run_id}/drafter") and first.is_relative_to(tmp_path / "cache")
-        stamp = (first / "model.safetensors").stat().st_mtime_ns
-        assert Path(resolve_pair(args).drafter) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
-        (drafter_dir / "tree.json").write_text("[[0], [0, 0], [0, 0, 0]]")
-        client.log_artifact(run.info.run_id, str(drafter_dir / "tree.json"), "drafter")
-        assert json.loads((Path(resolve_pair(args).drafter) / "tree.json").read_text()) == [[0], [0, 0], [0, 0, 0]]
-        assert not list(first.rglob(".download-*"))  # no partial download left behind
+    # One local copy per machine, reused by every replica and restart; fetched again
+    # when the stored files change.
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    first = Path(resolve_pair(args).drafter)
+    assert first == mirror_dir(f"runs:/{run.info.run_id}/drafter") and first.is_relative_to(tmp_path / "cache")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert Path(resolve_pair(args).drafter) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    (drafter_dir / "tree.json").write_text("[[0], [0, 0], [0, 0, 0]]")
+    client.log_artifact(run.info.run_id, str(drafter_dir / "tree.json"), "drafter")
+    assert json.loads((Path(resolve_pair(args).drafter) / "tree.json").read_text()) == [[0], [0, 0], [0, 0, 0]]
+    assert not list(first.rglob(".download-*"))  # no partial download left behind
 
 
 # ----------------------------------------------------------------- autoscaling

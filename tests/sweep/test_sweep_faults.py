@@ -19,7 +19,6 @@ import yaml
 from distill_support import committed_checkpoint, tiny_config, wait_for
 from draftlab.config import TrainConfig
 from draftlab.sweep.runner import run_sweep
-from mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +34,6 @@ def raylet():
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
     yield ray._private.worker._global_node.all_processes["raylet"][0].process.pid
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
-        yield server.url
 
 
 def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, tmp_path):
