@@ -9,7 +9,7 @@ import torch
 
 import distill_support
 from draftlab.models.target import load_target
-from mlflow_server import MlflowServer
+from mlflow_server import MlflowServer, mlflow_server_fixture
 
 
 def _services() -> tuple[bool, int]:
@@ -63,14 +63,16 @@ def _shared_tiny_data(tmp_path_factory):
     distill_support.SHARED = None
 
 
+_session_mlflow = mlflow_server_fixture(scope="session")
+
+
 @pytest.fixture(scope="session")
-def mlflow_uri(tmp_path_factory):
+def mlflow_uri(_session_mlflow):
     """One real tracking server for the session's integration modules (~15 s of CPU a start).
     Tests that read back runs, versions or aliases name their own experiment or read the
     versions they created; modules that take their server down (`distill/test_faults.py`) or
     count registry versions from 1 (`test_tracking.py`) start their own."""
-    with MlflowServer(root=tmp_path_factory.mktemp("mlflow")) as server:
-        yield server.url
+    return _session_mlflow.url
 
 
 @pytest.fixture(scope="session")
