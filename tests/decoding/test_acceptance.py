@@ -2,7 +2,7 @@
 
 import torch
 
-from draftlab.decoding.acceptance import greedy_walk, process_logits, sampled_walk
+from draftlab.decoding.acceptance import greedy_tokens, greedy_walk, process_logits, sampled_walk
 from draftlab.decoding.tree import Tree
 
 V = 5
@@ -12,6 +12,17 @@ def onehot_logits(tokens):
     out = torch.full((len(tokens), V), -10.0)
     out[torch.arange(len(tokens)), torch.tensor(tokens)] = 10.0
     return out
+
+
+def test_greedy_tokens_pick_the_first_of_tied_maxima_as_argmax_does():
+    # bf16 logits tie often; a decode step and a verify row must break ties alike.
+    logits = torch.randn(13, 49152).bfloat16().float()
+    top = logits.max() + 1
+    for r, (i, j) in enumerate([(5, 40000), (0, 1), (49150, 49151)] * 4 + [(7, 7)]):
+        logits[r, i] = logits[r, j] = top
+    assert greedy_tokens(logits).tolist() == logits.argmax(-1).tolist()
+    assert greedy_tokens(logits)[:3].tolist() == [5, 0, 49150]
+    assert int(greedy_tokens(logits[1])) == 0  # one row, as a decode step calls it
 
 
 def test_greedy_chain_partial_accept():

@@ -18,6 +18,14 @@ def test_sorted_buffers():
     assert not m[1, 2] and m.diagonal().all()
 
 
+def test_ancestor_rows_list_each_nodes_mask_row_in_path_order():
+    t = Tree.from_paths([[0, 0], [1], [0], [0, 1], [1, 0], [0, 0, 0], [2]])
+    rows, counts = t.ancestor_rows  # (N+1, depth+1), (N+1,)
+    assert rows.shape == (8, 4)
+    for i, row in enumerate(t.ancestor_mask):
+        assert rows[i, : counts[i]].tolist() == row.nonzero().flatten().tolist()
+
+
 def test_node_tokens_follow_ranks():
     t = Tree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [3.0, 0.0, 0.0, 9.0], [7.0, 0.0, 0.0, 0.0]])

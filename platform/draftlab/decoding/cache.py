@@ -12,6 +12,7 @@ def keep_rows(cache: DynamicCache, start: int, keep: list[int]) -> None:
     `keep` indexes the block appended by the last forward (0 = its first row). A prefix
     `[0, 1, ..., m-1]` (a chain) is a plain crop; a tree path gathers rows into place.
     """
+    end, idx = start + len(keep), None
     for layer in cache.layers:
         if not hasattr(layer, "keys") or layer.keys is None:
             continue
@@ -19,9 +20,9 @@ def keep_rows(cache: DynamicCache, start: int, keep: list[int]) -> None:
             raise NotImplementedError(
                 f"speculative rollback supports full-attention DynamicLayer caches, not {type(layer).__name__}"
             )
-        end = start + len(keep)
-        if keep != list(range(len(keep))):
+        if idx is None and keep != list(range(len(keep))):  # built once for every layer
             idx = torch.tensor(keep, device=layer.keys.device) + start
+        if idx is not None:
             layer.keys[..., start:end, :] = layer.keys[..., idx, :]  # (B, h, m, d) gathered copy
             layer.values[..., start:end, :] = layer.values[..., idx, :]
         layer.keys = layer.keys[..., :end, :]

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from draftlab.config import SamplingParams
-from draftlab.decoding.acceptance import greedy_walk, process_logits, sample, sampled_walk
+from draftlab.decoding.acceptance import (
+    greedy_tokens,
+    greedy_walk,
+    process_logits,
+    sample,
+    sampled_walk,
+)
 from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.ngram import NgramIndex, NgramStore, graft
 from draftlab.decoding.stopping import Stopper
@@ -235,7 +241,7 @@ class Session:
 
         def pick(j: int, logits: torch.Tensor) -> int:
             if not sample_drafts:
-                return int(logits.argmax())
+                return int(greedy_tokens(logits))
             return sample(process_logits(logits, params.temperature, params.top_p), self.gen)
 
         drafts, dlogits = dec.drafter.propose(self.state, self.pend_tok, self.pend_hid, tree.depth, pick)  # (k,), (k, V)
@@ -337,7 +343,7 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator 
 def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     """Next token from (V,) target logits: argmax, or a sample of the processed distribution."""
     if params.greedy:
-        return int(logits.argmax())
+        return int(greedy_tokens(logits))
     return sample(process_logits(logits, params.temperature, params.top_p), gen)
 
 

@@ -88,8 +88,12 @@ class Topology:
     def ancestor_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows each node sees, its ancestors then itself: ((N+1, depth+1) zero-padded
         offsets, (N+1,) counts) - the input of `attention.RowPlan.tree`."""
-        seen = [row.nonzero()[:, 0] for row in self.ancestor_mask]  # N+1 x (depth_i + 1,)
-        return torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen])
+        seen: list[list[int]] = []  # N+1 x (depth_i + 1): parents precede children, so in path order
+        for i, p in enumerate(self.parents):
+            seen.append([*(seen[p] if p >= 0 else []), i])
+        width = max(len(s) for s in seen)
+        # Plain lists: a grafted round tree builds this every round (~14 nodes).
+        return torch.tensor([s + [0] * (width - len(s)) for s in seen]), torch.tensor([len(s) for s in seen])
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,10 +64,13 @@ class DrafterConfig(BaseModel):
 
 @dataclass
 class DraftState:
-    """Per-request drafter state: its KV cache and the position of the next entry."""
+    """Per-request drafter state: its KV cache, the position of the next entry, and inputs
+    that depend on the weights alone, computed once per request (a parallel family's slot
+    inputs, by k)."""
 
     cache: DynamicCache
     pos: int
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def decoder_config(target: Target, depth: int) -> dict:

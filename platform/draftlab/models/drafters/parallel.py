@@ -46,8 +46,10 @@ class ParallelDrafter(DrafterNet):
     def propose(self, state: DraftState, tokens, features, k: int, pick: Pick):
         self.check_k(k)
         n = tokens.shape[0]
-        slots = self.mask_input(torch.arange(k - 1, device=tokens.device))  # (k-1, D)
-        x = torch.cat([self.fuse(tokens, features), slots.to(self.fc.weight.dtype)])  # (n + k-1, D)
+        slots = state.slots.get(k)
+        if slots is None:  # p-eagle's slot input runs `fc`: once per request, not per round
+            slots = state.slots[k] = self.mask_input(torch.arange(k - 1, device=tokens.device)).to(self.fc.weight.dtype)
+        x = torch.cat([self.fuse(tokens, features), slots])  # (n + k-1, D)
         h = self.step(state, x)  # (n + k-1, H)
         if k > 1:
             state.cache.crop(-(k - 1))  # drop the slot rows: they are re-drafted next round
