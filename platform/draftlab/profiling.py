@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from draftlab.config import ProfileConfig
+from draftlab.decoding.acceptance import greedy_tokens
 from draftlab.decoding.cache import keep_rows
 from draftlab.decoding.engine import verify_plan
 from draftlab.decoding.tree import Tree
@@ -108,7 +109,7 @@ def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
 
 
 def _argmax(j: int, logits: torch.Tensor) -> int:
-    return int(logits.argmax())
+    return int(greedy_tokens(logits))  # the engine's greedy pick, so the profile times what it runs
 
 
 def profile_drafters(target: Target, context: int, depths: list[int], ks: list[int], repeats: int) -> dict:

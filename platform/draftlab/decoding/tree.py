@@ -76,24 +76,31 @@ class Topology:
         return int(self.depths.max())
 
     @cached_property
+    def ancestors(self) -> list[list[int]]:
+        """(N+1) x (depth_i + 1): each node's ancestors from the root, then itself (parents
+        precede children, so path order). Plain lists: a grafted round tree builds its row
+        buffers from them every round (~14 nodes)."""
+        seen: list[list[int]] = []
+        for i, p in enumerate(self.parents):
+            seen.append([*(seen[p] if p >= 0 else []), i])
+        return seen
+
+    @cached_property
     def ancestor_mask(self) -> torch.Tensor:
         """(N+1, N+1) bool: row i may attend to column j iff j is i or an ancestor of i."""
         n = len(self.parents)
-        m = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            m[i] |= m[self.parents[i]]
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i, path in enumerate(self.ancestors):
+            m[i, path] = True
         return m
 
     @cached_property
     def ancestor_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows each node sees, its ancestors then itself: ((N+1, depth+1) zero-padded
         offsets, (N+1,) counts) - the input of `attention.RowPlan.tree`."""
-        seen: list[list[int]] = []  # N+1 x (depth_i + 1): parents precede children, so in path order
-        for i, p in enumerate(self.parents):
-            seen.append([*(seen[p] if p >= 0 else []), i])
-        width = max(len(s) for s in seen)
-        # Plain lists: a grafted round tree builds this every round (~14 nodes).
-        return torch.tensor([s + [0] * (width - len(s)) for s in seen]), torch.tensor([len(s) for s in seen])
+        width = max(len(s) for s in self.ancestors)
+        return (torch.tensor([s + [0] * (width - len(s)) for s in self.ancestors]),
+                torch.tensor([len(s) for s in self.ancestors]))
 
 
 @dataclass(frozen=True)
