@@ -243,7 +243,7 @@ def _select_tree(a: argparse.Namespace) -> None:
     for c in report["candidates"]:
         ngram = c.get("ngram")
         lookups = "" if not ngram else (f" +lookups ({ngram['store_tokens']} from the store, paths carried on by "
-                                         f"{ngram['extend']}) in {c['lookup_rounds']:.0%} of rounds")
+                                         f"{ngram['extend']} from depth {ngram['extend_from']}) in {c['lookup_rounds']:.0%} of rounds")
         print(f"{c['nodes']:3d} nodes, depth {c['depth']}{lookups}: replayed tau {c['tau']:.3f}, "
               f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
     print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")

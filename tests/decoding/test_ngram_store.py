@@ -57,6 +57,17 @@ def test_the_drafted_path_is_carried_on_by_the_text_then_the_store_capped_at_ext
     assert off.propose_after([3, 4]) == []
 
 
+def test_carried_on_prefixes_from_extend_from_and_other_firsts_only_from_depth_one():
+    spec = NgramSpec(tokens=4, min_match=2, max_match=3, store_tokens=0, extend=2, extend_firsts=1)
+    text = [1, 2, 3, 4, 9, 1, 2, 5, 7, 1, 2, 6, 8, 1, 2]
+    every = NgramIndex(spec, text).carried([3, 4], firsts=[3, 5, 6])
+    assert every == [[3, 4, 9], [3, 4, 9, 1], [5, 7, 1]]  # "2 3", "2 3 4" and the likeliest other first, 5
+    whole = NgramIndex(spec.model_copy(update={"extend_from": 2}), text).carried([3, 4], firsts=[3, 5, 6])
+    assert whole == [[3, 4, 9, 1]]  # the whole path alone, no other first
+    deeper = NgramIndex(spec.model_copy(update={"extend_from": 5}), text).carried([3, 4], firsts=[3, 5, 6])
+    assert deeper == whole  # a tree shallower than extend_from carries its whole path
+
+
 @pytest.mark.parametrize("tree", [pytest.param(Tree.chain(1), marks=pytest.mark.slow), Tree.from_paths([[0], [1], [0, 0]])],
                          ids=lambda t: t.name)
 def test_store_drafts_keep_greedy_identity_and_get_accepted(tiny, tiny_prompts, tree):

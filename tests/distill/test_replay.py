@@ -17,6 +17,7 @@ from draftlab.models.target import load_target
 GREEDY = SamplingParams(max_new_tokens=48)
 LOOKUP = NgramSpec(tokens=2, min_match=1, max_match=2, grow_to=8)  # copies grow: state across rounds
 CARRIED = LOOKUP.model_copy(update={"extend": 2})  # and lookups carry on the likeliest path
+WHOLE = CARRIED.model_copy(update={"extend_from": 3})  # its whole path alone (k=3; 2-deep trees: theirs)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def texts(tiny_prompts):
 
 
 @pytest.mark.parametrize(
-    "ngram, with_store", [(None, False), (LOOKUP, False), (LOOKUP, True), (CARRIED, True)],
-    ids=["tree", "tree+lookup", "tree+lookup+store", "tree+lookup+store+carried"],
+    "ngram, with_store", [(None, False), (LOOKUP, False), (LOOKUP, True), (CARRIED, True), (WHOLE, True)],
+    ids=["tree", "tree+lookup", "tree+lookup+store", "tree+lookup+store+carried", "tree+lookup+store+carried-whole"],
 )
 @pytest.mark.parametrize("paths", [[[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [0, 0], [1, 0]]], ids=str)
 def test_replay_runs_the_rounds_the_engine_runs(tiny_prompts, texts, paths, ngram, with_store):
@@ -86,6 +87,9 @@ def test_round_costs_and_shared_branch_rows():
     # likeliest); both pay their 2 rows, off the leading chain. Round 2: nothing follows "5 6" or "6"
     assert (carried.rounds, carried.tokens) == (2, 4)
     assert carried.ms == run.ms + 4 * 3.0  # carried-on rows at their own (tree-row) price
+    whole = replay([table], rows, tree, cost, NgramSpec(tokens=3, min_match=1, max_match=2, extend=2, extend_from=2))
+    assert (whole.rounds, whole.tokens) == (2, 4)  # "3 4" alone is carried on: the same tokens, half the rows
+    assert whole.ms == run.ms + 2 * 3.0
     assert Replay().tau == 1.0
 
 

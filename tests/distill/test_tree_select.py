@@ -7,7 +7,7 @@ import torch
 from draftlab.decoding.tree import load_tree
 from draftlab.decoding.tree_files import save_tree
 from draftlab.decoding.tree_search import best_tree
-from draftlab.distill.tree_select import select_tree
+from draftlab.distill.tree_select import _lookup_options, select_tree
 from draftlab.models.drafters.build import init_drafter
 
 
@@ -43,9 +43,12 @@ def test_searching_with_lookups_scores_and_saves_them(tiny):
     assert tree.ngram == NgramSpec.model_validate(report["chosen_ngram"])
     per_tree = {}
     for c in report["candidates"]:  # no store: the lookups carrying on the likeliest path vary alone
-        assert c["ngram"] == spec.model_dump() | {"extend": c["ngram"]["extend"]}
-        per_tree.setdefault(str(c["paths"]), []).append(c["ngram"]["extend"])
-    assert all(extend == [0, 2, 4] for extend in per_tree.values())
+        assert c["ngram"] == spec.model_dump() | {k: c["ngram"][k] for k in ("extend", "extend_from")}
+        per_tree.setdefault((str(c["paths"]), c["depth"]), []).append((c["ngram"]["extend"], c["ngram"]["extend_from"]))
+    for (_, depth), carry in per_tree.items():  # every prefix, or (deeper trees) the whole path alone
+        assert carry == ([(0, 1), (2, 1), (2, depth), (4, 1), (4, depth)] if depth > 1 else [(0, 1), (2, 1), (4, 1)])
+    deeper = _lookup_options(spec, None, 3)  # a 3-deep tree: every prefix, or its whole path alone
+    assert [(o.extend, o.extend_from) for o in deeper] == [(0, 1), (2, 1), (2, 3), (4, 1), (4, 3)]
     assert max(report["candidates"], key=lambda c: c["predicted_speedup"])["paths"] == [list(p) for p in tree.paths]
     assert all(0.0 < c["lookup_rounds"] <= 1.0 and 0.0 <= c["graft_row_ms"] <= c["carried_row_ms"] for c in report["candidates"])
 
@@ -64,9 +67,12 @@ def test_searching_with_a_store_tries_its_branch_lengths(tiny):
     for c in report["candidates"]:
         per_tree.setdefault(str(c["paths"]), []).append(c)
     for cands in per_tree.values():  # each tree with the text alone, then 2 and 3 tokens from the store
-        assert [(c["ngram"]["store_tokens"], c["ngram"]["extend"]) for c in cands] == [
-            (t, e) for t in (0, 2, 3) for e in (0, 2, 4)]
-        assert cands[0]["tau"] < cands[3]["tau"] < cands[6]["tau"]  # a right store is accepted
+        starts = sorted({1, cands[0]["depth"]})
+        carry = [(0, 1)] + [(e, s) for e in (2, 4) for s in starts]
+        assert [(c["ngram"]["store_tokens"], c["ngram"]["extend"], c["ngram"]["extend_from"]) for c in cands] == [
+            (t, e, s) for t in (0, 2, 3) for e, s in carry]
+        n = len(carry)
+        assert cands[0]["tau"] < cands[n]["tau"] < cands[2 * n]["tau"]  # a right store is accepted
     best = max(report["candidates"], key=lambda c: c["predicted_speedup"])
     assert tree.ngram == NgramSpec.model_validate(best["ngram"]) == NgramSpec.model_validate(report["chosen_ngram"])
     assert report["lookup_store_grams"] == len(store.table)

@@ -65,7 +65,13 @@ class NgramSpec(StrictModel):
     no copy to offer. Our engine only (vLLM merges the root lookups alone)."""
     extend_firsts: int = Field(1, ge=0, le=64)
     """With `extend`: how many of the round tree's other first-position candidates, likeliest
-    first, are carried on too (each costs up to `extend` verified rows)."""
+    first, are carried on too (each costs up to `extend` verified rows); only with
+    `extend_from` 1."""
+    extend_from: int = Field(1, ge=1, le=64)
+    """With `extend`: the shallowest prefix of the drafter's likeliest path that is carried on.
+    1 = every prefix (and `extend_firsts` other first-position candidates); larger = only the
+    prefixes at least this deep, the whole path where it is shorter (the drafter's K, say:
+    its whole path alone, where a carried-on row is accepted most often per row verified)."""
 
     @model_validator(mode="after")
     def _match_range(self) -> NgramSpec:

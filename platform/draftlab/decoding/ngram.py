@@ -163,12 +163,20 @@ class NgramIndex:
         return self.store.propose(self.tokens[-self.store.spec.max_match :] + path)[: self.spec.extend]
 
     def carried(self, path: list[int], firsts: list[int]) -> list[list[int]]:
-        """Branches carrying on each prefix of the drafter's likeliest `path` and the
+        """Branches carrying on the prefixes of the drafter's likeliest `path` at least
+        `spec.extend_from` deep (`carried_depths`) and, from depth 1, the
         `spec.extend_firsts` likeliest of its other first-position candidates (`firsts`, the
         round tree's, likeliest first) by `propose_after`; those with no match are left out."""
-        others = [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts]
-        starts = [path[:d] for d in range(1, len(path) + 1)] + others
+        depths = carried_depths(self.spec, len(path))
+        others = [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts] if 1 in depths else []
+        starts = [path[:d] for d in depths] + others
         return [start + after for start in starts if (after := self.propose_after(start))]
+
+
+def carried_depths(spec: NgramSpec, depth: int) -> range:
+    """The depths of the likeliest path's prefixes carried on in a `depth`-deep tree: from
+    `spec.extend_from` (the whole path where the tree is shallower) down to `depth`."""
+    return range(min(spec.extend_from, depth), depth + 1)
 
 
 def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology, list[int]]:

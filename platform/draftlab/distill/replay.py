@@ -11,8 +11,9 @@ this module walks each held-out response as greedy decoding would:
             (`ranks.rank_tables`, anchor p-1) that is a path of the tree
     lookup: accepted depth = leading tokens of `NgramIndex.propose()` on x_0..x_p (the
             drafter's `NgramStore` where the text has no match) that equal x_{p+1}, x_{p+2}, ...
-    carried on (`ngram.extend`): for each prefix of the drafter's likeliest path and the
-            `ngram.extend_firsts` likeliest other first-position candidates, the tokens of
+    carried on (`ngram.extend`): for each prefix of the drafter's likeliest path from
+            `ngram.extend_from` deep (and, from 1, the `ngram.extend_firsts` likeliest
+            other first-position candidates), the tokens of
             `NgramIndex.propose_after(prefix)`; accepted where that prefix is x's (its ranks
             all 0, or a first-position candidate's rank) as far as they equal x's next tokens
     commit max(tree, lookup, carried on) + 1 tokens (the bonus), and pay draft + verify of
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from draftlab.config import NgramSpec
-from draftlab.decoding.ngram import NgramIndex, NgramStore
+from draftlab.decoding.ngram import NgramIndex, NgramStore, carried_depths
 from draftlab.decoding.tree import Tree
 
 
@@ -79,10 +80,11 @@ def _matched(branch: list[int], truth: list[int]) -> int:
 
 
 def _carried_on(lookup: NgramIndex, truth: list[int], ranks: list[int], firsts: set[int]) -> tuple[int, int]:
-    """(accepted depth, rows) of the lookups carrying on each prefix of the likeliest path
-    and the other first-position candidates carried on (`firsts`: their ranks)."""
+    """(accepted depth, rows) of the lookups carrying on the likeliest path's prefixes
+    (`carried_depths`) and the other first-position candidates carried on (`firsts`: their
+    ranks)."""
     depth, rows = 0, 0
-    for d in range(1, len(ranks) + 1):
+    for d in carried_depths(lookup.spec, len(ranks)):
         after = lookup.propose_after(truth[:d])
         rows += len(after) * (1 + len(firsts) if d == 1 else 1)  # x_1's lookup stands in for every first's
         if after and (all(r == 0 for r in ranks[:d]) or (d == 1 and ranks[0] in firsts)):
@@ -102,7 +104,7 @@ def replay(
     then in `store`, when given)."""
     paths = set(tree.paths)
     others = sorted(p[0] for p in paths if len(p) == 1 and p[0] != 0)  # the tree's other firsts' ranks
-    firsts = set(others[: ngram.extend_firsts]) if ngram is not None else set()
+    firsts = set(others[: ngram.extend_firsts]) if ngram is not None and ngram.extend_from == 1 else set()
     out = Replay()
     for table, row in zip(tables, rows, strict=True):
         ids, p = list(row["input_ids"])[: table.shape[0] + 1], int(row["prompt_len"])

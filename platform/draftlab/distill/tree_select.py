@@ -73,12 +73,11 @@ def select_tree(
     drafting = {
         d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})
     }
-    lookups = _lookup_options(ngram, store)
     table, chosen = [], []
     for tree, v, vb, vb2 in zip(candidates, plain, with_branch, with_two, strict=True):
         row_ms = max(0.0, vb - v) / ngram.tokens if ngram else 0.0
         tree_row_ms = max(row_ms, (vb2 - vb) / ngram.tokens) if ngram else 0.0  # rows off the leading chain
-        for spec in lookups:
+        for spec in _lookup_options(ngram, store, tree.depth):
             cost = RoundCost(drafting[tree.depth], v, row_ms, tree_row_ms)
             run = replay(tables, rows, tree, cost, spec, store)
             chosen.append(tree.with_ngram(spec) if spec else tree)
@@ -117,14 +116,16 @@ STORE_TOKENS = (0, 2, 3, 5)  # store branch lengths the search tries (0: the tex
 EXTEND = (0, 2, 4)  # lengths of the lookups carrying on the likeliest path the search tries
 
 
-def _lookup_options(ngram: NgramSpec | None, store: NgramStore | None) -> list[NgramSpec | None]:
-    """The lookup settings each tree is replayed with: none, or `ngram` with each length of
-    the lookups carrying on the likeliest path, and (with a store) each store branch length
-    up to `ngram.tokens`."""
+def _lookup_options(ngram: NgramSpec | None, store: NgramStore | None, depth: int) -> list[NgramSpec | None]:
+    """The lookup settings a `depth`-deep tree is replayed with: none, or `ngram` with each
+    length of the lookups carrying on the likeliest path (every prefix of it, or its whole
+    `depth` alone), and (with a store) each store branch length up to `ngram.tokens`."""
     if ngram is None:
         return [None]
     lengths = sorted({min(t, ngram.tokens) for t in STORE_TOKENS}) if store is not None else [ngram.store_tokens]
-    return [ngram.model_copy(update={"store_tokens": t, "extend": e}) for t in lengths for e in EXTEND]
+    carry = [(0, 1)] + [(e, start) for e in EXTEND if e for start in sorted({1, depth})]
+    return [ngram.model_copy(update={"store_tokens": t, "extend": e, "extend_from": start})
+            for t in lengths for e, start in carry]
 
 
 def _with_branch(tree: Topology, tokens: int, token: int = 1) -> Topology:
