@@ -66,6 +66,8 @@ def test_carried_on_prefixes_from_extend_from_and_other_firsts_only_from_depth_o
     assert whole == [[3, 4, 9, 1]]  # the whole path alone, no other first
     deeper = NgramIndex(spec.model_copy(update={"extend_from": 5}), text).carried([3, 4], firsts=[3, 5, 6])
     assert deeper == whole  # a tree shallower than extend_from carries its whole path
+    first = NgramIndex(spec.model_copy(update={"extend_from": 2}), text).carried([3], firsts=[3, 5, 6])
+    assert first == [[3, 4, 9]]  # a 1-deep path: itself, still no other first (as the replay counts)
 
 
 @pytest.mark.parametrize("tree", [pytest.param(Tree.chain(1), marks=pytest.mark.slow), Tree.from_paths([[0], [1], [0, 0]])],

@@ -164,12 +164,11 @@ class NgramIndex:
 
     def carried(self, path: list[int], firsts: list[int]) -> list[list[int]]:
         """Branches carrying on the prefixes of the drafter's likeliest `path` at least
-        `spec.extend_from` deep (`carried_depths`) and, from depth 1, the
+        `spec.extend_from` deep (`carried_depths`) and, with `extend_from` 1, the
         `spec.extend_firsts` likeliest of its other first-position candidates (`firsts`, the
         round tree's, likeliest first) by `propose_after`; those with no match are left out."""
-        depths = carried_depths(self.spec, len(path))
-        others = [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts] if 1 in depths else []
-        starts = [path[:d] for d in depths] + others
+        others = [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts] if self.spec.extend_from == 1 else []
+        starts = [path[:d] for d in carried_depths(self.spec, len(path))] + others
         return [start + after for start in starts if (after := self.propose_after(start))]
 
 
