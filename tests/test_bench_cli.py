@@ -159,6 +159,31 @@ def test_bench_compares_more_trees_side_by_side(tmp_path, tiny):
         assert m["speedup_vs_ar"] == pytest.approx(m["tokens_per_s"] / ar)
 
 
+def test_bench_compares_other_drafters_with_their_own_trees_side_by_side(tmp_path, tiny):
+    """`--versus`: each other drafter runs with its own tree.json (and store) against the same
+    `ar`, interleaved; greedy output is checked for every drafter."""
+    from draftlab.decoding.tree import Tree
+    from draftlab.models.drafters.build import init_drafter
+
+    main_dir = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "a" / "drafter")
+    other = init_drafter("parallel", tiny, k=2, depth=2, seed=1).save(tmp_path / "b" / "drafter")
+    (other / "tree.json").write_text(Tree.from_paths([[0], [1], [0, 0], [0, 1]]).to_json())
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--target", "tiny-llama", "--dtype", "float32", "--drafter", str(main_dir), "--limit", "2",
+               "--max-new-tokens", "12", "--methods", "ar,draftlab_tree", "--versus", str(other), "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == ["ar", "draftlab_tree", f"draftlab_tree@{other}"]
+    assert report["versus"] == {str(other): {"tree": str(other / "tree.json"), "tree_nodes": 4, "k": 2,
+                                             "drafter_parameters": report["versus"][str(other)]["drafter_parameters"]}}
+    assert report["versus"][str(other)]["drafter_parameters"] > report["drafter_parameters"]  # two layers, not one
+    assert report["greedy_identical"] is True
+    ar = report["methods"]["ar"]["tokens_per_s"]
+    versus = report["methods"][f"draftlab_tree@{other}"]
+    assert versus["greedy_match_rate"] == 1.0 and len(versus["per_position_acceptance"]) == 2
+    assert versus["speedup_vs_ar"] == pytest.approx(versus["tokens_per_s"] / ar)
+
+
 def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, capsys):
     from draftlab.models.drafters.build import init_drafter
 
@@ -177,6 +202,8 @@ def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, c
         (["--k", "0"], "k: Input should be greater than or equal to 1"),
         (["--prompts", "/no/such.jsonl"], "prompt file not found"),
         (["--methods", "ar,fast"], "methods.1"),
+        (["--versus", "init:parallel"], "versus takes saved drafters"),
+        (["--versus", "/no/such/drafter"], "/no/such/drafter"),
         (["--target", "/no/such/dir"], "not an HF model directory"),
     ],
 )

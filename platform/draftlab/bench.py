@@ -145,9 +145,25 @@ def _summarise(runs: list[tuple[str, Run]]) -> dict:
     return out
 
 
+@dataclass
+class Contender:
+    """Another saved drafter benched beside the main one (`BenchConfig.versus`)."""
+
+    drafter: DrafterNet
+    tree: Tree
+    store: NgramStore | None
+
+
+def _contender(path: str, target: Target, cfg: BenchConfig) -> Contender:
+    drafter = resolve_drafter(path, target)
+    saved = local_copy(path)
+    return Contender(drafter, resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE), NgramStore.beside(saved))
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Load the target (and drafter) named in `cfg`, run every method, return the report."""
+    """Load the target (and drafters) named in `cfg`, run every method, return the report."""
     target = load_target(cfg.target)
+    versus = {path: _contender(path, target, cfg) for path in cfg.versus}
     drafter = None
     if cfg.drafter is not None and (cfg.trees or any(m.startswith(("draftlab_", "vllm_draftlab")) for m in cfg.methods)):
         saved = _drafter_dir(cfg)
@@ -157,8 +173,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             k = max([k, *(resolve_tree(s, None, k, BENCH_TREE, cut=False).depth for s in [*specs, *cfg.trees])])
         drafter = resolve_drafter(cfg.drafter, target, k=k, depth=cfg.depth, seed=cfg.seed)
         named = {spec: resolve_tree(spec, saved, drafter.cfg.k, BENCH_TREE) for spec in cfg.trees}
-        return bench_loaded(target, drafter, cfg, progress, trees=named)
-    return bench_loaded(target, drafter, cfg, progress)
+        return bench_loaded(target, drafter, cfg, progress, trees=named, versus=versus)
+    return bench_loaded(target, drafter, cfg, progress, versus=versus)
 
 
 def _drafter_dir(cfg: BenchConfig) -> Path | None:
@@ -167,26 +183,29 @@ def _drafter_dir(cfg: BenchConfig) -> Path | None:
 
 
 def bench_loaded(
-    target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool = True, trees: dict[str, Tree] | None = None
+    target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool = True, trees: dict[str, Tree] | None = None,
+    versus: dict[str, Contender] | None = None,
 ) -> dict:
     """Run the bench with an already loaded target and drafter (e.g. at the end of training).
 
     `trees` adds one method per named tree, `draftlab_tree:<name>`, interleaved with the
-    others: a sweep measures all of a drafter's trees against one `ar` baseline.
+    others: a sweep measures all of a drafter's trees against one `ar` baseline. `versus`
+    adds one method per other drafter, `draftlab_tree@<name>`, the same way.
     """
     with tempfile.TemporaryDirectory(prefix="draftlab-bench-") as work:  # vllm_draftlab's export
-        return _bench(target, drafter, cfg, progress, trees or {}, Path(work))
+        return _bench(target, drafter, cfg, progress, trees or {}, versus or {}, Path(work))
 
 
 def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool, trees: dict[str, Tree],
-           work: Path) -> dict:
+           versus: dict[str, Contender], work: Path) -> dict:
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     ours = [m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)]
-    methods = ["ar"] + ours + [f"draftlab_tree:{name}" for name in trees]
+    mine = [m for m in ours if m.startswith("draftlab_")] + [f"draftlab_tree:{name}" for name in trees]  # the main drafter's
+    methods = ["ar"] + ours + [f"draftlab_tree:{name}" for name in trees] + [f"draftlab_tree@{name}" for name in versus]
     spec_methods = [m for m in methods if m.startswith("draftlab_")]
-    if spec_methods and drafter is None:
-        raise ValueError(f"methods {spec_methods} need a drafter (--drafter PATH or init:<family>)")
+    if mine and drafter is None:
+        raise ValueError(f"methods {mine} need a drafter (--drafter PATH or init:<family>)")
     encoded = [(p, target.encode_prompt(p.messages)) for p in prompts]
     saved = _drafter_dir(cfg)  # listed once: an s3:// drafter's mirror is synced per call
     vllm_plan = _vllm_plan(target, drafter, cfg, saved, encoded, work)  # before any decoding: fail fast
@@ -199,7 +218,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     if "hf_prompt_lookup" in methods:
         runners["hf_prompt_lookup"] = _hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
     tree, k = None, cfg.k
-    if spec_methods:
+    if mine:
         k = cfg.k or drafter.cfg.k
         if set(TREE_METHODS) & set(methods):
             tree = resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE)
@@ -214,6 +233,8 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
                     runners[name] = decoder(verified)
         for name, named in trees.items():
             runners[f"draftlab_tree:{name}"] = decoder(named)
+    for name, c in versus.items():
+        runners[f"draftlab_tree@{name}"] = _engine_runner(SpeculativeDecoder(target, c.drafter, c.tree, c.store).generate, params)
 
     for _, ids in encoded[: cfg.warmup]:  # untimed: first-call allocations, lazy inits
         for m in methods:
@@ -253,7 +274,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     ] if params.greedy else []
     report = {
         "target": target.name,
-        "drafter": cfg.drafter if spec_methods or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
+        "drafter": cfg.drafter if mine or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
         "device": describe_device(target.device),
         "prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
@@ -265,6 +286,8 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         "tree_nodes": tree.num_nodes if tree else None,
         "drafter_parameters": drafter.num_parameters() if drafter else None,
         "drafter_head_coverage": head_coverage(drafter, runs["ar"]) if drafter else None,
+        "versus": {name: {"tree": c.tree.name, "tree_nodes": c.tree.num_nodes, "k": c.drafter.cfg.k,
+                          "drafter_parameters": c.drafter.num_parameters()} for name, c in versus.items()},
         "hf_generate_matches_ar": (
             params.greedy and "hf_generate" in runs and [r.tokens for _, r in runs["hf_generate"]] == ar_tokens
         ),

@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--depth", type=int, default=1, help="decoder layers of an init: drafter")
     b.add_argument("--tree", default=None, help="tree preset, chain-<k>, searched-<n> (the drafter's best n-node tree, from its tree-search.json), or JSON file of rank paths (default: the drafter dir's tree.json, else default); @n after it verifies n of its nodes per round, the drafter's likeliest; +ngram grafts prompt lookups")
     b.add_argument("--trees", type=_csv, default="", help="comma list of more trees (as --tree), each benched side by side as a draftlab_tree:<spec> method")
+    b.add_argument("--versus", type=_csv, default="", help="comma list of other saved drafters for the same target, each benched with its own tree.json (or --tree) and lookup store as a draftlab_tree@<path> method, side by side")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
@@ -385,7 +386,7 @@ def _bench(a: argparse.Namespace) -> None:
 
     cfg = BenchConfig(
         target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
-        k=a.k, depth=a.depth, tree=a.tree, trees=a.trees, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+        k=a.k, depth=a.depth, tree=a.tree, trees=a.trees, versus=a.versus, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
         warmup=a.warmup, methods=a.methods, json_out=a.json_out,
         ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to,
                         extend=a.ngram_extend),

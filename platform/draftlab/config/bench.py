@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from draftlab.config.base import StrictModel
 from draftlab.config.decoding import NgramSpec
@@ -72,6 +72,11 @@ class BenchConfig(StrictModel):
     trees: list[str] = Field(default_factory=list)
     """More trees (the same forms as `tree`), benched side by side with the methods, one
     `draftlab_tree:<spec>` method each."""
+    versus: list[str] = Field(default_factory=list)
+    """Other saved drafters (directories or storage URIs) for the same target, each benched
+    with its own tree (`tree` resolved for it: None = its `tree.json`) and its own lookup store
+    as a `draftlab_tree@<path>` method, interleaved with the rest against the same `ar`: an
+    A/B of two trainings in one run."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     """0 = greedy (the only mode in which `greedy_identical` is checked)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -101,6 +106,15 @@ class BenchConfig(StrictModel):
     """vLLM engine settings for the `vllm_*` methods."""
     json_out: str | None = None
     """Write the JSON report here."""
+
+    @field_validator("versus")
+    @classmethod
+    def _saved_and_distinct(cls, versus: list[str]) -> list[str]:
+        if untrained := [v for v in versus if v.startswith("init:")]:
+            raise ValueError(f"{untrained[0]}: versus takes saved drafters (an init: drafter has no tree of its own)")
+        if len(set(versus)) < len(versus):
+            raise ValueError(f"a drafter is named twice: {versus}")
+        return versus
 
 
 class ProfileConfig(StrictModel):
