@@ -201,8 +201,9 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     ours = [m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)]
-    mine = [m for m in ours if m.startswith("draftlab_")] + [f"draftlab_tree:{name}" for name in trees]  # the main drafter's
-    methods = ["ar"] + ours + [f"draftlab_tree:{name}" for name in trees] + [f"draftlab_tree@{name}" for name in versus]
+    named = [f"draftlab_tree:{name}" for name in trees]
+    mine = [m for m in ours if m.startswith("draftlab_")] + named  # the main drafter's
+    methods = ["ar"] + ours + named + [f"draftlab_tree@{name}" for name in versus]
     spec_methods = [m for m in methods if m.startswith("draftlab_")]
     if mine and drafter is None:
         raise ValueError(f"methods {mine} need a drafter (--drafter PATH or init:<family>)")
