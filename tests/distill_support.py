@@ -56,7 +56,7 @@ def tiny_config(tmp: Path, name: str, tracking_uri: str, **sections) -> DistillC
         train=TrainConfig(epochs=4, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=4, eval_every=4, log_every=1),
         scaling=ScalingSpec(num_workers=1, max_failures=2),
         tracking=TrackingSpec(tracking_uri=tracking_uri, experiment=f"draftlab-test-{name}"),
-        bench=BenchSpec(limit=2, max_new_tokens=12),
+        bench=BenchSpec(limit=2, max_new_tokens=12, fresh_process=False),  # test_distill_ray runs the fresh one
         storage_path=str(tmp / "ray"),
     )
     cfg.update(sections)

@@ -43,7 +43,7 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
         tmp_module, "ddp2", mlflow_uri,
         drafter=DrafterSpec(family="p-eagle", k=3, depth=1),
         scaling=ScalingSpec(num_workers=2, cpus_per_worker=1, placement_strategy="STRICT_SPREAD"),
-        bench=BenchSpec(limit=2, max_new_tokens=12, chain_depth="tree"),
+        bench=BenchSpec(limit=2, max_new_tokens=12, chain_depth="tree", fresh_process=True),
     )
     assert cfg.data.aux_layers == "eagle3"  # the data cache keeps what the family fuses
     summary = run_distill(cfg, progress=False)
@@ -84,6 +84,7 @@ def test_two_node_ddp_logs_and_registers(cluster, mlflow_uri, tmp_module):
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"bench.json", "config.json", "training.json", "drafter"}
     curve = json.loads((Path(summary["drafter_dir"]) / "training.json").read_text())
     assert [e["step"] for e in curve["evaluations"]][-1] == summary["steps"] and curve["verify_chain_ms"] > 0
+    assert curve["timed_in"] == "fresh process"  # the end stage ran in a child of the rank-0 worker
     version = client.get_model_version(summary["registered_model"], summary["model_version"])
     assert version.run_id == run.info.run_id
     assert version.tags["k"] == "3" and version.tags["family"] == "p-eagle" and "tau" in version.tags

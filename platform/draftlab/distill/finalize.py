@@ -6,7 +6,9 @@ The drafter is saved with its lookup store and reloaded as users load it (the ta
 dtype). `training.json` prices each held-out evaluation as a K-chain on this hardware. With
 the bench on, `cfg.bench.tree` is chosen (`tree_select`), benched side by side with the
 chains (and the searched tree verified per round), and the measured winner becomes the
-drafter's `tree.json`: what serving and the sweep verify with.
+drafter's `tree.json`: what serving and the sweep verify with. With `bench.fresh_process`
+(the default) everything after the save runs in a child process (`end_stage`), where the
+costs are timed as in a fresh process rather than in the worker that just trained.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from draftlab.config import BenchConfig, DistillConfig, NgramSpec
 from draftlab.decoding.ngram import STORE_FILE, NgramStore
 from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.decoding.tree_files import save_tree
+from draftlab.distill.end_stage import run_fresh
 from draftlab.distill.tree_select import choose_tree, per_round_tree
 from draftlab.models.drafters.build import load_drafter
 from draftlab.models.drafters.network import DrafterNet
@@ -31,18 +34,25 @@ from draftlab.tracking import Tracker
 
 
 def finish(cfg: DistillConfig, drafter: DrafterNet, target: Target, train: datasets.Dataset, evalset: datasets.Dataset,
-           evaluations: list[dict], out_dir: Path, tracker: Tracker) -> dict:
+           evaluations: list[dict], out_dir: Path, tracker: Tracker, data_path: str) -> dict:
     """Save `drafter` into `out_dir` with its curve (and, with the bench on, its measured
-    tree); returns what the run's summary gains (`bench`, `tau`, `speedup_vs_ar`, ...)."""
+    tree); returns what the run's summary gains (`bench`, `tau`, `speedup_vs_ar`, ...).
+    With `bench.fresh_process` the costs are timed and the tree chosen by a child process
+    (`end_stage`), which reads the saved drafter and `data_path`."""
     drafter.eval().save(out_dir)
     save_lookup_store(train, out_dir)
-    served = load_drafter(out_dir, target)  # as users load it: the target's dtype
-    curve = training_curve(cfg, served, target, evaluations)
+    if cfg.bench.fresh_process:
+        done = run_fresh(cfg, out_dir, data_path, target.device.type, evaluations)
+        curve, report = done["curve"], done["report"]
+    else:
+        served = load_drafter(out_dir, target)  # as users load it: the target's dtype
+        curve = training_curve(cfg, served, target, evaluations)
+        report = bench_trees(cfg, served, target, evalset, out_dir) if cfg.bench.enabled else None
+    curve["timed_in"] = "fresh process" if cfg.bench.fresh_process else "training worker"  # where the costs were timed
     (out_dir / "training.json").write_text(json.dumps(curve, indent=2) + "\n")
     tracker.log_dict(curve, "training.json")
-    if not cfg.bench.enabled:
+    if report is None:
         return {}
-    report = bench_trees(cfg, served, target, evalset, out_dir)
     tracker.log_dict(report["bench"], "bench.json")
     return report
 

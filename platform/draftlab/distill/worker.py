@@ -312,7 +312,7 @@ class DistillRecipe:
         summary = self._summary(exported, digests, nodes)
         out_dir = Path(self.config["output_dir"])
         summary |= finish(self.cfg, exported, self.target, self.train_set, self.evalset, self.state.evaluations,
-                          out_dir, self.tracker)
+                          out_dir, self.tracker, self.config["data_path"])
         final_eval = self.last_eval.stats
         final_metrics = {name: float(v) for name, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         final_metrics |= {f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)}
