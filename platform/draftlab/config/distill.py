@@ -164,7 +164,8 @@ class BenchSpec(StrictModel):
     worker's node (`distill/end_stage.py`), not in the training worker itself: there, after
     training, a CPU's decode step measured 20-40% slower than in a fresh process, and the search
     picked smaller trees than the served drafter deserves (README "A 2-layer drafter trained
-    75 minutes"). False = in the worker (no second target load)."""
+    75 minutes"). Without the bench (sweep trials) the training curve alone is priced in the
+    worker. False = in the worker (no second target load)."""
     prompts: str | None = None
     """Prompt file or packaged set (`default`, `heldout`); None = `default`."""
     limit: int | None = Field(None, ge=1)

@@ -37,18 +37,19 @@ def finish(cfg: DistillConfig, drafter: DrafterNet, target: Target, train: datas
            evaluations: list[dict], out_dir: Path, tracker: Tracker, data_path: str) -> dict:
     """Save `drafter` into `out_dir` with its curve (and, with the bench on, its measured
     tree); returns what the run's summary gains (`bench`, `tau`, `speedup_vs_ar`, ...).
-    With `bench.fresh_process` the costs are timed and the tree chosen by a child process
-    (`end_stage`), which reads the saved drafter and `data_path`."""
+    With the bench on and `bench.fresh_process`, the costs are timed and the tree chosen by a
+    child process (`end_stage`), which reads the saved drafter and `data_path`."""
     drafter.eval().save(out_dir)
     save_lookup_store(train, out_dir)
-    if cfg.bench.fresh_process:
+    fresh = cfg.bench.enabled and cfg.bench.fresh_process  # the curve alone (sweep trials) costs no child
+    if fresh:
         done = run_fresh(cfg, out_dir, data_path, target.device.type, evaluations)
         curve, report = done["curve"], done["report"]
     else:
         served = load_drafter(out_dir, target)  # as users load it: the target's dtype
         curve = training_curve(cfg, served, target, evaluations)
         report = bench_trees(cfg, served, target, evalset, out_dir) if cfg.bench.enabled else None
-    curve["timed_in"] = "fresh process" if cfg.bench.fresh_process else "training worker"  # where the costs were timed
+    curve["timed_in"] = "fresh process" if fresh else "training worker"  # where the costs were timed
     (out_dir / "training.json").write_text(json.dumps(curve, indent=2) + "\n")
     tracker.log_dict(curve, "training.json")
     if report is None:
