@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftlab.config import BenchSpec, DistillConfig, DrafterSpec, TargetSpec
-from draftlab.distill.end_stage import run_fresh
+from draftlab.distill.finalize import run_fresh
 from draftlab.models.drafters.build import init_drafter
 
 

@@ -1,4 +1,5 @@
-"""The end of `draftlab distill` in a fresh process (`BenchSpec.fresh_process`).
+"""The end of `draftlab distill` in a fresh process (`BenchSpec.fresh_process`), started by
+`finalize.run_fresh`:
 
     rank 0: save drafter -> python -m draftlab.distill.end_stage REQUEST.json -> RESULT.json
 
@@ -11,31 +12,8 @@ in the training worker after training ran 20-40% high on CPUs; a fresh process t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-
-TAIL = 3000  # characters of the child's stderr quoted in an error
-
-
-def run_fresh(cfg, out_dir: Path, data_path: str, device: str, evaluations: list[dict]) -> dict:
-    """`{"curve": ..., "report": ... | None}` computed by a child process (see module doc)."""
-    import draftlab  # noqa: PLC0415 -- its location is the child's import path
-
-    with tempfile.TemporaryDirectory(prefix="draftlab-end-") as work:
-        request, result = Path(work) / "request.json", Path(work) / "result.json"
-        request.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "drafter_dir": str(out_dir),
-                                       "data_path": data_path, "device": device, "evaluations": evaluations,
-                                       "result": str(result)}))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(draftlab.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        proc = subprocess.run([sys.executable, "-m", "draftlab.distill.end_stage", str(request)],
-                              env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the end stage's process failed (exit {proc.returncode}):\n{proc.stderr[-TAIL:]}")
-        return json.loads(result.read_text())
 
 
 def main(argv: list[str]) -> int:

@@ -14,6 +14,10 @@ costs are timed as in a fresh process rather than in the worker that just traine
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import datasets
@@ -24,7 +28,6 @@ from draftlab.config import BenchConfig, DistillConfig, NgramSpec
 from draftlab.decoding.ngram import STORE_FILE, NgramStore
 from draftlab.decoding.tree import Tree, load_tree, split_ngram
 from draftlab.decoding.tree_files import save_tree
-from draftlab.distill.end_stage import run_fresh
 from draftlab.distill.tree_select import choose_tree, per_round_tree
 from draftlab.models.drafters.build import load_drafter
 from draftlab.models.drafters.network import DrafterNet
@@ -107,3 +110,22 @@ def bench_trees(cfg: DistillConfig, drafter: DrafterNet, target: Target, evalset
     save_tree(chosen, None, out_dir)
     return {"bench": report, "tau": report["methods"][best]["tau"], "speedup_vs_ar": report["methods"][best]["speedup_vs_ar"],
             "best_method": best, "tree": chosen.name, "greedy_identical": report["greedy_identical"]}
+
+
+END_STAGE_TAIL = 3000  # characters of the child's stderr quoted in an error
+
+
+def run_fresh(cfg: DistillConfig, out_dir: Path, data_path: str, device: str, evaluations: list[dict]) -> dict:
+    """`{"curve": ..., "report": ... | None}` computed by a child process (`end_stage`)."""
+    with tempfile.TemporaryDirectory(prefix="draftlab-end-") as work:
+        request, result = Path(work) / "request.json", Path(work) / "result.json"
+        request.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "drafter_dir": str(out_dir),
+                                       "data_path": data_path, "device": device, "evaluations": evaluations,
+                                       "result": str(result)}))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        proc = subprocess.run([sys.executable, "-m", "draftlab.distill.end_stage", str(request)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the end stage's process failed (exit {proc.returncode}):\n{proc.stderr[-END_STAGE_TAIL:]}")
+        return json.loads(result.read_text())
