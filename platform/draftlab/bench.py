@@ -40,7 +40,7 @@ from draftlab.export import (
     vllm_target_dir,
 )
 from draftlab.hardware import describe_device, sync
-from draftlab.models.drafters.build import resolve_drafter
+from draftlab.models.drafters.build import load_drafter, resolve_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
@@ -155,8 +155,8 @@ class Contender:
 
 
 def _contender(path: str, target: Target, cfg: BenchConfig) -> Contender:
-    drafter = resolve_drafter(path, target)
-    saved = local_copy(path)
+    saved = local_copy(path)  # a URI's mirror synced once, then read locally
+    drafter = load_drafter(saved, target)
     return Contender(drafter, resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE), NgramStore.beside(saved))
 
 

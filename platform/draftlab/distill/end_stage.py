@@ -4,7 +4,7 @@
     rank 0: save drafter -> python -m draftlab.distill.end_stage REQUEST.json -> RESULT.json
 
 The child loads the target and the saved drafter as users load them, prices the training
-curve, and (bench on) chooses, benches and saves the tree (`finalize.bench_trees`). Costs timed
+curve, and (bench on) chooses, benches and saves the tree (`finalize.curve_and_tree`). Costs timed
 in the training worker after training ran 20-40% high on CPUs; a fresh process times what
 `draftlab select-tree` and serving see.
 """
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     from draftlab.config import DistillConfig  # noqa: PLC0415
     from draftlab.data.selfdistill import training_view  # noqa: PLC0415
     from draftlab.distill.drafter_setup import usable_features  # noqa: PLC0415
-    from draftlab.distill.finalize import bench_trees, training_curve  # noqa: PLC0415
+    from draftlab.distill.finalize import curve_and_tree  # noqa: PLC0415
     from draftlab.models.drafters.build import load_drafter  # noqa: PLC0415
     from draftlab.models.target import load_target  # noqa: PLC0415
 
@@ -31,11 +31,10 @@ def main(argv: list[str]) -> int:
     target = load_target(cfg.target.model_copy(update={"device": req["device"]}))
     out_dir = Path(req["drafter_dir"])
     drafter = load_drafter(out_dir, target)
-    curve = training_curve(cfg, drafter, target, req["evaluations"])
-    report = None
+    evalset = None  # read only for the bench (a run without it prices the curve alone)
     if cfg.bench.enabled:
         evalset = usable_features(training_view(datasets.load_from_disk(req["data_path"]))["eval"], cfg, target, drafter)
-        report = bench_trees(cfg, drafter, target, evalset, out_dir)
+    curve, report = curve_and_tree(cfg, drafter, target, evalset, req["evaluations"], out_dir)
     Path(req["result"]).write_text(json.dumps({"curve": curve, "report": report}))
     return 0
 

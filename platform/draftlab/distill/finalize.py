@@ -50,8 +50,7 @@ def finish(cfg: DistillConfig, drafter: DrafterNet, target: Target, train: datas
         curve, report = done["curve"], done["report"]
     else:
         served = load_drafter(out_dir, target)  # as users load it: the target's dtype
-        curve = training_curve(cfg, served, target, evaluations)
-        report = bench_trees(cfg, served, target, evalset, out_dir) if cfg.bench.enabled else None
+        curve, report = curve_and_tree(cfg, served, target, evalset, evaluations, out_dir)
     curve["timed_in"] = "fresh process" if fresh else "training worker"  # where the costs were timed
     (out_dir / "training.json").write_text(json.dumps(curve, indent=2) + "\n")
     tracker.log_dict(curve, "training.json")
@@ -59,6 +58,14 @@ def finish(cfg: DistillConfig, drafter: DrafterNet, target: Target, train: datas
         return {}
     tracker.log_dict(report["bench"], "bench.json")
     return report
+
+
+def curve_and_tree(cfg: DistillConfig, served: DrafterNet, target: Target, evalset: datasets.Dataset,
+                   evaluations: list[dict], out_dir: Path) -> tuple[dict, dict | None]:
+    """What follows the save, in the worker or in `end_stage`'s child: the priced training
+    curve, and (bench on) the chosen, benched and saved tree's report."""
+    curve = training_curve(cfg, served, target, evaluations)
+    return curve, bench_trees(cfg, served, target, evalset, out_dir) if cfg.bench.enabled else None
 
 
 def save_lookup_store(train: datasets.Dataset, out_dir: Path) -> None:
