@@ -368,3 +368,26 @@ def test_fused_forward_many_equals_each_requests_forward(fused32):
     together = fused32.forward_many(items)
     for (logits, _), ref in zip(together, alone, strict=True):
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_verify_takes_sdpa_output_in_a_transposed_layout(fused32, monkeypatch):
+    """SDPA's float32 kernels on CUDA return the output as a (B, T, H, d) buffer seen through
+    a transpose (non-contiguous); `.view` on it crashed the first decoding step there. CUDA
+    cannot run here, so SDPA is wrapped to hand back the same values in that layout (a
+    stand-in for the CUDA kernel): the block's logits must not change."""
+    tree, ctx = load_tree("small-6"), len(PREFIX)
+    ids, positions = torch.arange(tree.num_nodes + 1) + 3, ctx + tree.depths
+    expected, _ = fused32.forward(ids, positions, _prefilled(fused32), rows=_tree_plan(tree, ctx))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(*args, **kwargs):
+        out = sdpa(*args, **kwargs)  # (B, H, T, d)
+        strided_out = out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, T, H, d) memory
+        assert not strided_out.is_contiguous()
+        return strided_out
+
+    monkeypatch.setattr(fused_attention.F, "scaled_dot_product_attention", strided)
+    got, _ = fused32.forward(ids, positions, _prefilled(fused32), rows=_tree_plan(tree, ctx))
+    step, _ = fused32.forward(torch.tensor([5]), torch.tensor([ctx]), _prefilled(fused32))  # a decoding step
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert step.shape == (1, fused32.vocab_size)
