@@ -46,6 +46,7 @@ def test_bench_writes_contract_json(tmp_path, capsys):
     check_contract(report, prompts=3, max_new=24)
     assert report["greedy_identical"] is True
     assert report["hf_generate_matches_ar"] is True
+    assert report["greedy_mismatches"] == []  # nothing left `ar`'s output, HF `generate` included
     for name, m in report["methods"].items():  # CPU: row-exact attention, every output identical
         assert m["greedy_match_rate"] == 1.0 and m["greedy_token_match_rate"] == 1.0, name
     assert set(report["methods"]["ar"]["by_category"]) == {"writing", "roleplay", "reasoning"}
@@ -302,6 +303,28 @@ def test_near_tie_reports_the_targets_own_logits_at_a_mismatch(tiny, tiny_prompt
     assert tie["margin"] == pytest.approx(float(logits[-1, a[3]] - logits[-1, b[3]]))  # a is the greedy token
     assert tie["top2_gap"] >= 0 and tie["margin"] >= tie["top2_gap"]
     assert _near_tie(tiny, prompt, a, a[:3], 3) == {"tokens": [a[3], None]}
+
+
+def test_greedy_mismatches_name_method_prompt_position_and_margins(tiny, tiny_prompts):
+    """Our engine's methods (and HF's) are checked against `ar` as vLLM's are against
+    `vllm_ar`: each differing output gives its prompt, first differing position and the
+    target's margins there; identical outputs give nothing."""
+    from draftlab.bench import Run, describe_mismatches, greedy_mismatches
+    from draftlab.config import SamplingParams
+    from draftlab.decoding.engine import autoregressive_generate
+
+    prompts = tiny_prompts[:2]
+    outs = [autoregressive_generate(tiny, p, SamplingParams(max_new_tokens=8)).tokens for p in prompts]
+    flipped = outs[1][:5] + [(outs[1][5] + 1) % tiny.vocab_size]
+    runs = {"ar": [("a", Run(o, 1.0, 8)) for o in outs],
+            "same": [("a", Run(o, 1.0, 8)) for o in outs],
+            "other": [("a", Run(outs[0], 1.0, 8)), ("a", Run(flipped, 1.0, 8))]}
+    encoded = [(None, p) for p in prompts]
+    found = greedy_mismatches(tiny, encoded, runs, "ar", ["same", "other"])
+    assert [(m["method"], m["prompt"], m["position"]) for m in found] == [("other", 1, 5)]
+    assert found[0]["tokens"] == [outs[1][5], flipped[5]] and found[0]["margin"] >= found[0]["top2_gap"] >= 0
+    assert describe_mismatches(found).startswith("1 outputs differ, widest top-2 gap at a difference ")
+    assert describe_mismatches([]) == "none"
 
 
 def test_packaged_prompt_sets_by_name():

@@ -267,12 +267,8 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     if vllm_runs:
         _add_speedups(summary, "vllm_ar")
     vllm_spec = [m for m in vllm_runs if m != "vllm_ar"]
-    mismatches = [
-        {"method": m, "prompt": i, "position": pos, **_near_tie(target, encoded[i][1], a.tokens, b.tokens, pos)}
-        for m in vllm_spec
-        for i, ((_, a), (_, b)) in enumerate(zip(runs["vllm_ar"], runs[m], strict=True))
-        if (pos := _first_difference(a.tokens, b.tokens)) is not None
-    ] if params.greedy else []
+    ours_mismatches = greedy_mismatches(target, encoded, runs, "ar", [m for m in methods if m != "ar"]) if params.greedy else []
+    mismatches = greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec) if params.greedy else []
     report = {
         "target": target.name,
         "drafter": cfg.drafter if mine or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
@@ -292,6 +288,9 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         "hf_generate_matches_ar": (
             params.greedy and "hf_generate" in runs and [r.tokens for _, r in runs["hf_generate"]] == ar_tokens
         ),
+        # our engine's and HF's methods vs `ar`, greedy: where each output first leaves `ar`'s
+        # and the target's logit margin there (`_near_tie`), so ties can be told from bugs
+        "greedy_mismatches": ours_mismatches,
         # vLLM with speculation vs vLLM target-only, greedy: mismatches name method, prompt
         # index and first differing token position.
         "vllm_greedy_identical": params.greedy and bool(vllm_spec) and not mismatches,
@@ -356,6 +355,28 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (the shorter length if one is a prefix), or None."""
     i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     return None if i == len(a) == len(b) else i
+
+
+def greedy_mismatches(target: Target, encoded: list, runs: dict[str, list[tuple[str, Run]]], reference: str,
+                      methods: list[str]) -> list[dict]:
+    """Every (method, prompt) whose greedy output differs from `reference`'s: the prompt's
+    index, the first differing position and the target's margins there (`_near_tie`)."""
+    return [
+        {"method": m, "prompt": i, "position": pos, **_near_tie(target, encoded[i][1], a.tokens, b.tokens, pos)}
+        for m in methods
+        for i, ((_, a), (_, b)) in enumerate(zip(runs[reference], runs[m], strict=True))
+        if (pos := _first_difference(a.tokens, b.tokens)) is not None
+    ]
+
+
+def describe_mismatches(mismatches: list[dict]) -> str:
+    """One line on a mismatch list: how many, and the largest top-2 gap among them (a gap
+    near a bf16 rounding step says tie, a wide one says bug)."""
+    if not mismatches:
+        return "none"
+    gaps = [m["top2_gap"] for m in mismatches if "top2_gap" in m]
+    widest = f", widest top-2 gap at a difference {max(gaps):.3g}" if gaps else ""
+    return f"{len(mismatches)} outputs differ{widest} (see greedy_mismatches in the JSON)"
 
 
 @torch.inference_mode()
@@ -472,6 +493,8 @@ def render_table(report: dict) -> str:
         ident = report["greedy_identical"] if report["greedy_checked"] else (
             "n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
         console.print(f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}")
+        if report.get("greedy_mismatches"):
+            console.print(f"greedy outputs that left ar's: {describe_mismatches(report['greedy_mismatches'])}")
         if cov := report.get("drafter_head_coverage"):
             low = min(cov["by_category"].items(), key=lambda kv: kv[1])
             console.print(f"drafter head scores {cov['all']:.1%} of the target's output tokens "
