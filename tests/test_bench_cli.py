@@ -72,13 +72,13 @@ def test_head_coverage_is_the_share_of_the_targets_tokens_a_trimmed_head_can_sco
 def test_greedy_match_rate_counts_prompts_and_tokens_before_the_first_difference():
     """On CUDA (fused attention) a floating-point near-tie may flip a greedy token: the
     bench reports how much of `ar`'s output each method still reproduces."""
-    from draftlab.bench import _greedy_match
+    from draftlab.decoding.agreement import greedy_match
 
     ar = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
     spec = [[1, 2, 9, 4], [5, 6], [7, 8]]  # flips at 2; identical; stops early (EOS) at 2
     rates = {"greedy_match_rate": 1 / 3, "greedy_token_match_rate": 6 / 10}
-    assert _greedy_match(ar, spec) == rates
-    assert _greedy_match(ar, ar) == {"greedy_match_rate": 1.0, "greedy_token_match_rate": 1.0}
+    assert greedy_match(ar, spec) == rates
+    assert greedy_match(ar, ar) == {"greedy_match_rate": 1.0, "greedy_token_match_rate": 1.0}
 
 
 def test_bench_sampled_has_no_greedy_match_rate(tmp_path):
@@ -288,29 +288,30 @@ def test_near_tie_reports_the_targets_own_logits_at_a_mismatch(tiny, tiny_prompt
     (our engine, same prefix) and its top-2 gap: a near-tie shows engines' numerics decided."""
     import torch
 
-    from draftlab.bench import _near_tie
     from draftlab.config import SamplingParams
+    from draftlab.decoding.agreement import near_tie
     from draftlab.decoding.engine import autoregressive_generate
 
     prompt = tiny_prompts[0]
     a = autoregressive_generate(tiny, prompt, SamplingParams(max_new_tokens=8)).tokens
     b = a[:3] + [(a[3] + 1) % tiny.vocab_size] + a[4:]
-    tie = _near_tie(tiny, prompt, a, b, 3)
+    tie = near_tie(tiny, prompt, a, b, 3)
     ids = torch.tensor(prompt + a[:3])
     logits, _ = tiny.forward(ids, torch.arange(ids.numel()), tiny.new_cache())
     assert tie["tokens"] == [a[3], b[3]]
     assert tie["logits"][0] == pytest.approx(float(logits[-1, a[3]]))
     assert tie["margin"] == pytest.approx(float(logits[-1, a[3]] - logits[-1, b[3]]))  # a is the greedy token
     assert tie["top2_gap"] >= 0 and tie["margin"] >= tie["top2_gap"]
-    assert _near_tie(tiny, prompt, a, a[:3], 3) == {"tokens": [a[3], None]}
+    assert near_tie(tiny, prompt, a, a[:3], 3) == {"tokens": [a[3], None]}
 
 
 def test_greedy_mismatches_name_method_prompt_position_and_margins(tiny, tiny_prompts):
     """Our engine's methods (and HF's) are checked against `ar` as vLLM's are against
     `vllm_ar`: each differing output gives its prompt, first differing position and the
     target's margins there; identical outputs give nothing."""
-    from draftlab.bench import Run, describe_mismatches, greedy_mismatches
+    from draftlab.bench import Run, greedy_mismatches
     from draftlab.config import SamplingParams
+    from draftlab.decoding.agreement import describe_mismatches
     from draftlab.decoding.engine import autoregressive_generate
 
     prompts = tiny_prompts[:2]

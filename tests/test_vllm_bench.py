@@ -148,12 +148,12 @@ def test_spec_counters_are_consistent(report, name):
     assert sum(acc) * s["drafts"] == pytest.approx(s["accepted_tokens"])
 
 
-def test_first_difference():
-    from draftlab.bench import _first_difference
+def testfirst_difference():
+    from draftlab.decoding.agreement import first_difference
 
-    assert _first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert _first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert _first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_path):

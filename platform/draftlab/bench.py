@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
+from draftlab.decoding.agreement import describe_mismatches, greedy_match, mismatches
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import Tree
@@ -259,7 +260,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     summary = {m: _summarise(rs) for m, rs in runs.items()}
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
         summary[m] |= (
-            _greedy_match(ar_tokens, [r.tokens for _, r in rs])
+            greedy_match(ar_tokens, [r.tokens for _, r in rs])
             if params.greedy
             else {"greedy_match_rate": None, "greedy_token_match_rate": None}
         )
@@ -268,7 +269,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         _add_speedups(summary, "vllm_ar")
     vllm_spec = [m for m in vllm_runs if m != "vllm_ar"]
     ours_mismatches = greedy_mismatches(target, encoded, runs, "ar", [m for m in methods if m != "ar"]) if params.greedy else []
-    mismatches = greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec) if params.greedy else []
+    mismatches = greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec) if params.greedy and vllm_spec else []
     report = {
         "target": target.name,
         "drafter": cfg.drafter if mine or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
@@ -289,7 +290,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
             params.greedy and "hf_generate" in runs and [r.tokens for _, r in runs["hf_generate"]] == ar_tokens
         ),
         # our engine's and HF's methods vs `ar`, greedy: where each output first leaves `ar`'s
-        # and the target's logit margin there (`_near_tie`), so ties can be told from bugs
+        # and the target's logit margin there (`agreement.near_tie`), so ties can be told from bugs
         "greedy_mismatches": ours_mismatches,
         # vLLM with speculation vs vLLM target-only, greedy: mismatches name method, prompt
         # index and first differing token position.
@@ -323,6 +324,15 @@ def head_coverage(drafter: DrafterNet, ar_runs: list[tuple[str, Run]]) -> dict:
             "by_category": {c: share(rs) for c, rs in _by_category(ar_runs).items()}}
 
 
+def greedy_mismatches(target: Target, encoded: list, runs: dict[str, list[tuple[str, Run]]], reference: str,
+                      methods: list[str]) -> list[dict]:
+    """Every (method, prompt) whose greedy output differs from `reference`'s: the prompt's
+    index, the first differing position and the target's margins there."""
+    prompts, ref = [ids for _, ids in encoded], [r.tokens for _, r in runs[reference]]
+    return [{"method": m, **found} for m in methods
+            for found in mismatches(target, prompts, ref, [r.tokens for _, r in runs[m]])]
+
+
 def _add_speedups(summary: dict, base: str) -> None:
     """`speedup_vs_<base>` for every method, overall and per prompt category."""
     key, b = f"speedup_vs_{base}", summary[base]
@@ -331,67 +341,6 @@ def _add_speedups(summary: dict, base: str) -> None:
         for cat, c in s["by_category"].items():
             bc = b["by_category"].get(cat, {}).get("tokens_per_s")
             c[key] = c["tokens_per_s"] / bc if bc else 0.0
-
-
-def _greedy_match(reference: list[list[int]], outputs: list[list[int]]) -> dict:
-    """Greedy agreement with the reference (`ar`) outputs, prompt by prompt:
-    `greedy_match_rate` = the fraction of prompts whose output is identical,
-    `greedy_token_match_rate` = the fraction of the reference's tokens reproduced before the
-    first difference. 1.0 both on CPU (row-exact attention); on CUDA (fused attention)
-    floating-point near-ties may flip a token, and every later token counts as lost."""
-    same = sum(a == b for a, b in zip(reference, outputs, strict=True))
-    total = sum(len(a) for a in reference)
-    kept = sum(
-        len(a) if (i := _first_difference(a, b)) is None else i
-        for a, b in zip(reference, outputs, strict=True)
-    )
-    return {
-        "greedy_match_rate": same / len(reference) if reference else 1.0,
-        "greedy_token_match_rate": kept / total if total else 1.0,
-    }
-
-
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (the shorter length if one is a prefix), or None."""
-    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return None if i == len(a) == len(b) else i
-
-
-def greedy_mismatches(target: Target, encoded: list, runs: dict[str, list[tuple[str, Run]]], reference: str,
-                      methods: list[str]) -> list[dict]:
-    """Every (method, prompt) whose greedy output differs from `reference`'s: the prompt's
-    index, the first differing position and the target's margins there (`_near_tie`)."""
-    return [
-        {"method": m, "prompt": i, "position": pos, **_near_tie(target, encoded[i][1], a.tokens, b.tokens, pos)}
-        for m in methods
-        for i, ((_, a), (_, b)) in enumerate(zip(runs[reference], runs[m], strict=True))
-        if (pos := _first_difference(a.tokens, b.tokens)) is not None
-    ]
-
-
-def describe_mismatches(mismatches: list[dict]) -> str:
-    """One line on a mismatch list: how many, and the largest top-2 gap among them (a gap
-    near a bf16 rounding step says tie, a wide one says bug)."""
-    if not mismatches:
-        return "none"
-    gaps = [m["top2_gap"] for m in mismatches if "top2_gap" in m]
-    widest = f", widest top-2 gap at a difference {max(gaps):.3g}" if gaps else ""
-    return f"{len(mismatches)} outputs differ{widest} (see greedy_mismatches in the JSON)"
-
-
-@torch.inference_mode()
-def _near_tie(target: Target, prompt: list[int], a: list[int], b: list[int], pos: int) -> dict:
-    """Where two greedy outputs first differ: the target's own logits there (our engine,
-    the common prefix) for both tokens, and the gap between its top two. A near-tie (a gap
-    of a bf16 rounding step or so) shows the engines' numerics, not a wrong draft, decided."""
-    if pos >= min(len(a), len(b)):  # one output stopped earlier (EOS): nothing to compare
-        return {"tokens": [a[pos] if pos < len(a) else None, b[pos] if pos < len(b) else None]}
-    ids = torch.tensor(prompt + a[:pos], device=target.device)
-    logits, _ = target.forward(ids, torch.arange(ids.numel(), device=target.device), target.new_cache())
-    last = logits[-1]  # (V,)
-    top = last.topk(2).values
-    return {"tokens": [a[pos], b[pos]], "logits": [float(last[a[pos]]), float(last[b[pos]])],
-            "margin": abs(float(last[a[pos]] - last[b[pos]])), "top2_gap": float(top[0] - top[1])}
 
 
 def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, source: Path | None, encoded: list,
@@ -494,7 +443,8 @@ def render_table(report: dict) -> str:
             "n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
         console.print(f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}")
         if report.get("greedy_mismatches"):
-            console.print(f"greedy outputs that left ar's: {describe_mismatches(report['greedy_mismatches'])}")
+            console.print(f"greedy outputs that left ar's: {describe_mismatches(report['greedy_mismatches'])} "
+                          "(greedy_mismatches in the JSON)")
         if cov := report.get("drafter_head_coverage"):
             low = min(cov["by_category"].items(), key=lambda kv: kv[1])
             console.print(f"drafter head scores {cov['all']:.1%} of the target's output tokens "
