@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from tqdm import tqdm
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.agreement import describe_mismatches, greedy_match, mismatches
+from draftlab.decoding.baselines import Run, hf_runner
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.ngram import NgramStore
 from draftlab.decoding.tree import Tree
@@ -40,7 +40,7 @@ from draftlab.export import (
     vllm_speculative_config,
     vllm_target_dir,
 )
-from draftlab.hardware import describe_device, sync
+from draftlab.hardware import describe_device
 from draftlab.models.drafters.build import load_drafter, resolve_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
@@ -51,51 +51,6 @@ from draftlab.vllm_offline import SpecCounters, VllmEngine, require_vllm
 VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram")  # in the order their engines run
 TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
 BENCH_TREE = "default"  # the tree method's tree without `tree` nor a saved `tree.json`: not a chain
-
-
-@dataclass
-class Run:
-    tokens: list[int]
-    seconds: float
-    forwards: int  # target forwards after the prefill
-    per_position_acceptance: list[float] | None = None
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    spec: SpecCounters | None = None  # vLLM's counters for this request (vllm_* only)
-
-
-def _hf_runner(target: Target, params: SamplingParams, **extra) -> Callable[[list[int]], Run]:
-    """transformers `generate`; target forwards are counted with a forward hook."""
-    calls = [0]
-    sampling = {"do_sample": False} if params.greedy else {
-        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": None,
-    }
-    eos = sorted(target.eos_token_ids) or None
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
-
-    def run(prompt: list[int]) -> Run:
-        ids = torch.tensor([prompt], device=target.device)
-        calls[0] = 0
-        hook = target.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        try:
-            sync(target.device)
-            t0 = time.perf_counter()
-            out = target.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
-                eos_token_id=eos, pad_token_id=pad, **sampling, **extra,
-            )
-            sync(target.device)
-            seconds = time.perf_counter() - t0
-        finally:
-            hook.remove()
-        new = out[0, len(prompt):].tolist()
-        for i, tok in enumerate(new):  # cut after the first EOS, as our Stopper does
-            if tok in target.eos_token_ids:
-                new = new[: i + 1]
-                break
-        return Run(new, seconds, max(calls[0] - 1, 1))
-
-    return run
 
 
 def _engine_runner(fn: Callable, params: SamplingParams) -> Callable[[list[int]], Run]:
@@ -216,9 +171,9 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         "ar": _engine_runner(lambda p, sp: autoregressive_generate(target, p, sp), params),
     }
     if "hf_generate" in methods:
-        runners["hf_generate"] = _hf_runner(target, params)
+        runners["hf_generate"] = hf_runner(target, params)
     if "hf_prompt_lookup" in methods:
-        runners["hf_prompt_lookup"] = _hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
+        runners["hf_prompt_lookup"] = hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
     tree, k = None, cfg.k
     if mine:
         k = cfg.k or drafter.cfg.k

@@ -2,6 +2,7 @@
 
     draftlab bench   --target smollm2-135m --drafter init:parallel --json bench.json
     draftlab profile --target smollm2-135m --json profile.json
+    draftlab doctor [--gpu] [--target DIR] [--json doctor.jsonl]
     draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
     draftlab select-tree -c jobs/configs/smollm2-135m-parallel-k4.yaml
     draftlab sweep -c sweeps/smollm2-135m-cpu.yaml [dotted.field=value ...]
@@ -36,6 +37,7 @@ from draftlab.config import (
     BenchConfig,
     ConfigError,
     DistillConfig,
+    DoctorConfig,
     LoadtestConfig,
     NgramSpec,
     ProfileConfig,
@@ -126,6 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", type=_ints, default=None, help="comma list of drafter depths to time (default 1,2,3,4)")
     p.add_argument("--ks", type=_ints, default=None, help="comma list of draft lengths K to time (default 1..8)")
     p.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+
+    dr = sub.add_parser("doctor", help="check the engine on this machine's CPU or GPU: identity with margins, "
+                        "verify and decode costs, a training step (JSON lines)",
+                        description="Runs with torch, transformers and pydantic alone (no Ray, MLflow, vLLM or hub): "
+                        "random-weight Llamas of real shapes built in memory, or --target DIR. Without draftlab "
+                        "installed: PYTHONPATH=platform python -m draftlab.doctor [options].")
+    dr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    dr.add_argument("--gpu", action="store_true", help="the same as --device cuda")
+    dr.add_argument("--checks", type=_csv, default=None, help="comma list of env,identity,verify,decode,profile,train "
+                    "(default all)")
+    dr.add_argument("--target", default=None, help="a local HF model directory checked instead of the random shapes")
+    dr.add_argument("--identity-shape", default=None, help="shape of the identity and train checks' target "
+                    "(tiny, small, llama-3.2-1b, llama-3.1-8b; default tiny on CPU, llama-3.2-1b on CUDA)")
+    dr.add_argument("--speed-shape", default=None, help="shape of the verify, decode and profile checks' target "
+                    "(default tiny on CPU, llama-3.1-8b on CUDA)")
+    dr.add_argument("--dtypes", type=_csv, default=None, help="identity check dtypes (default bfloat16,float32)")
+    dr.add_argument("--contexts", type=_ints, default=None, help="verify/decode contexts (default 64 CPU, 512,2048 CUDA)")
+    dr.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per identity prompt and decode run (64)")
+    dr.add_argument("--json", dest="json_out", default=None, help="also write the JSON lines here")
 
     d = sub.add_parser("distill", help="train a drafter by self-distillation on Ray Train (logged to MLflow)")
     d.add_argument("-c", "--config", required=True, help="DistillConfig YAML (see jobs/configs/)")
@@ -406,7 +427,32 @@ def _profile(a: argparse.Namespace) -> None:
     print(json.dumps(run_profile(cfg), indent=2))
 
 
-COMMANDS = {"bench": _bench, "profile": _profile, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs,
+def _doctor(a: argparse.Namespace) -> None:
+    from draftlab.doctor import run_doctor  # noqa: PLC0415 -- torch, transformers
+
+    given = {"checks": a.checks, "target": a.target, "identity_shape": a.identity_shape, "speed_shape": a.speed_shape,
+             "dtypes": a.dtypes, "contexts": a.contexts, "new_tokens": a.new_tokens, "json_out": a.json_out}
+    cfg = DoctorConfig(device="cuda" if a.gpu else a.device, **{k: v for k, v in given.items() if v is not None})
+    out = open(cfg.json_out, "w") if cfg.json_out else None  # noqa: SIM115 -- closed below, after every line
+
+    def emit(line: dict) -> None:
+        text = json.dumps(line)
+        print(text, flush=True)
+        if out is not None:
+            out.write(text + "\n")
+            out.flush()
+
+    try:
+        lines = run_doctor(cfg, emit)
+    finally:
+        if out is not None:
+            out.close()
+    failed = [line["check"] for line in lines if "error" in line]
+    if failed:
+        raise DraftlabError(f"checks failed: {', '.join(failed)} (their lines say why)")
+
+
+COMMANDS = {"bench": _bench, "profile": _profile, "doctor": _doctor, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs,
             "serve": _serve, "loadtest": _loadtest, "pipeline": _pipeline, "submit": _submit, "jobs": _jobs, "report": _report,
             "generate": _generate, "export": _export}
 

@@ -10,7 +10,7 @@ submodule):
                overrides (`parse_overrides`, `apply_dotted`), `read_mapping`, `load_yaml`
     target     TargetSpec, and which hub repos are gated (GATED_ORGS)
     decoding   SamplingParams, NgramSpec
-    bench      BenchConfig (with VllmBenchSpec), ProfileConfig
+    bench      BenchConfig (with VllmBenchSpec), ProfileConfig, DoctorConfig
     data       PromptSourceConfig, DataConfig: the self-distillation data
     distill    DistillConfig and its sections (DrafterSpec, TrainConfig, ScalingSpec,
                TrackingSpec, BenchSpec); drafter families checked against the leaf registry
@@ -28,7 +28,7 @@ from draftlab.config.base import (
     parse_overrides,
     read_mapping,
 )
-from draftlab.config.bench import BenchConfig, ProfileConfig, VllmBenchSpec
+from draftlab.config.bench import BenchConfig, DoctorConfig, ProfileConfig, VllmBenchSpec
 from draftlab.config.data import MAGPIE_SEEDS, DataConfig, PromptSourceConfig
 from draftlab.config.decoding import NgramSpec, SamplingParams
 from draftlab.config.distill import (
@@ -62,6 +62,7 @@ __all__ = [
     "LoadtestConfig",
     "NgramSpec",
     "ProfileConfig",
+    "DoctorConfig",
     "PromptSourceConfig",
     "SamplingParams",
     "ScalingSpec",

@@ -1,5 +1,5 @@
 """`draftlab bench` (`BenchConfig`, with its vLLM engines' `VllmBenchSpec`) and
-`draftlab profile` (`ProfileConfig`)."""
+`draftlab profile` (`ProfileConfig`) and `draftlab doctor` (`DoctorConfig`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from draftlab.config.base import StrictModel
 from draftlab.config.decoding import NgramSpec
 from draftlab.config.target import TargetSpec
+from draftlab.models.shapes import SHAPES
 
 
 class VllmBenchSpec(StrictModel):
@@ -138,3 +139,57 @@ class ProfileConfig(StrictModel):
     """Timed repeats per point (median reported)."""
     json_out: str | None = None
     """Write the JSON report here."""
+
+
+DoctorCheck = Literal["env", "identity", "verify", "decode", "profile", "train"]
+
+
+class DoctorConfig(StrictModel):
+    """`draftlab doctor`: the engine checked on this machine's device, one JSON line per check.
+    Fields left unset take the device's defaults (small shapes on a CPU, real ones on CUDA)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the checks run. `auto` = cuda when available, else cpu."""
+    checks: list[DoctorCheck] = Field(default_factory=lambda: ["env", "identity", "verify", "decode", "profile", "train"])
+    """Which checks to run, in this order."""
+    target: str | None = None
+    """A local HF model directory (or preset) checked instead of the random-weight shapes."""
+    identity_shape: str | None = None
+    """Shape (`draftlab.models.shapes.SHAPES`) of the identity and train checks' target.
+    Default: `tiny` on a CPU, `llama-3.2-1b` on CUDA."""
+    speed_shape: str | None = None
+    """Shape of the verify, decode and profile checks' target. Default: `tiny` on a CPU,
+    `llama-3.1-8b` on CUDA."""
+    dtypes: list[Literal["float32", "bfloat16"]] = Field(default_factory=lambda: ["bfloat16", "float32"])
+    """Target dtypes the identity check runs (the speed checks use the device's own: bf16 on
+    CUDA)."""
+    attentions: list[Literal["row-exact", "fused"]] = Field(default_factory=lambda: ["fused", "row-exact"])
+    """Verify attentions the identity check runs."""
+    trees: list[str] = Field(default_factory=lambda: ["chain-4", "default", "wide-16"])
+    """Trees the identity check verifies (`chain-<n>`, a preset or a JSON file of rank paths)."""
+    prompts: int = Field(4, ge=1)
+    """Random-token prompts the identity check decodes."""
+    prompt_tokens: int = Field(32, ge=1)
+    """Tokens per identity prompt."""
+    new_tokens: int = Field(64, ge=2)
+    """Greedy tokens decoded per identity prompt, and by the decode check."""
+    contexts: list[int] | None = None
+    """Cached context lengths of the verify and decode checks. Default: [64] on a CPU,
+    [512, 2048] on CUDA."""
+    rows: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    """Verify block sizes k timed for t(k)/t(1)."""
+    repeats: int = Field(15, ge=1)
+    """Timed repeats per verify point (median reported)."""
+    train_batch: int | None = Field(None, ge=1)
+    """Sequences per training step. Default: 2 on a CPU, 8 on CUDA."""
+    train_seq: int | None = Field(None, ge=8)
+    """Tokens per training sequence. Default: 64 on a CPU, 1024 on CUDA."""
+    json_out: str | None = None
+    """Also write the JSON lines to this file."""
+
+    @field_validator("identity_shape", "speed_shape")
+    @classmethod
+    def _known_shape(cls, v: str | None) -> str | None:
+        if v is not None and v not in SHAPES:
+            raise ValueError(f"unknown shape {v!r}; shapes: {', '.join(SHAPES)}")
+        return v

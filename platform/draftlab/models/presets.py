@@ -8,6 +8,7 @@ transformers once (~20 s) and cache safetensors + tokenizer so later loads take 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -114,6 +115,13 @@ def _char_tokenizer(chars: list[str], specials: list[str], eos: str | None):
         additional_special_tokens=[s for s in specials if s in ("<user>", "<assistant>", "<system>")],
     )
     return fast
+
+
+@functools.lru_cache(maxsize=4)
+def numbered_tokenizer(vocab: int):
+    """A tokenizer for a random-weight model of `vocab` tokens: token i reads `<i>`, no EOS
+    (decoding runs to its length limit). Cached: 128k tokens take seconds to build."""
+    return _char_tokenizer([f"<{i}>" for i in range(vocab)], [], None)
 
 
 def _tiny_llama(chars: list[str], specials: list[str], eos: str | None, init_range: float, seed: int,

@@ -291,8 +291,15 @@ def load_target(spec: TargetSpec | str) -> Target:
                     f"could not load target {name!r} (not a preset, local dir or reachable hub id). "
                     f"Presets: {available_presets()}. Cause: {e}"
                 ) from None
+    return assemble_target(name, model, tokenizer, device, dtype, spec.attention)
+
+
+def assemble_target(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dtype: torch.dtype,
+                    attention_mode: attention.Mode = "auto") -> Target:
+    """A frozen `Target` of an HF causal LM already built or loaded: moved to `device` and
+    `dtype`, with the verify attention installed and the CPU matmul arrangements applied."""
     model = freeze(model.to(device=device, dtype=dtype))
-    attention.install(model, spec.attention)
+    attention.install(model, attention_mode)
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_amx_bf16():
         rows_invariant_linears(model)
     if device.type == "cpu" and dtype == torch.float32:
