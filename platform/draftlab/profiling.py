@@ -51,7 +51,7 @@ def _cached_context(target: Target, context: int) -> tuple[object, torch.Generat
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (context,), generator=gen).to(target.device)
     cache = target.new_cache()
-    target.forward(ids, torch.arange(context, device=target.device), cache)
+    target.forward(ids, torch.arange(context, device=target.device), cache, last_logits=True)
     return cache, gen
 
 

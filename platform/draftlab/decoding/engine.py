@@ -308,7 +308,7 @@ def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch
     `tree.ancestor_rows` on the target's device."""
     if tree.is_chain:
         return [ctx + i + 1 for i in range(tree.num_nodes + 1)]
-    return RowPlan.tree(ctx, ancestors, counts)
+    return RowPlan.tree(ctx, ancestors, counts, [len(a) for a in tree.ancestors])  # sizes: no device read-back
 
 
 @torch.inference_mode()
@@ -354,7 +354,8 @@ def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, sta
     t0 = time.perf_counter()
     ids = torch.tensor(prompt, device=target.device)
     cache = target.new_cache()
-    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache, aux_layers=aux_layers)
+    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache, aux_layers=aux_layers,
+                                    last_logits=True)  # (1, V), (T, F)
     first = _choose(logits[-1], params, gen)
     stats.prefill_s = time.perf_counter() - t0
     return cache, hidden, first

@@ -70,6 +70,9 @@ class RowPlan:
     index: torch.Tensor | None  # (T, Lp) cache indices of row i's keys; None = all rows are prefixes
     prefix: int  # leading rows that see causal prefixes (index[i] = arange)
     prefix_keys: int  # Lp of those rows: a multiple of BLOCK
+    # Host-side facts, so that no layer reads a device tensor back (a GPU sync per forward):
+    fewest_keys: int  # the smallest number of keys a row sees (all of the cache when it is its size)
+    last_key: int  # the largest cache index any row sees
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-forward derived masks
 
     @property
@@ -87,33 +90,38 @@ class RowPlan:
         if not rows:
             raise ValueError("a row plan needs at least one row")
         prefixes = all(isinstance(r, int) for r in rows)
-        lengths = torch.tensor([r if prefixes else len(r) for r in rows], device=device)  # (T,)
-        keys = _padded(int(lengths.max()))  # Lp
+        sizes = [r if prefixes else len(r) for r in rows]  # keys per row, on the host
+        keys = _padded(max(sizes))  # Lp
+        lengths = torch.tensor(sizes, device=device)  # (T,)
         visible = torch.arange(keys, device=device)[None, :] < lengths[:, None]  # (T, Lp)
         if prefixes:
-            return cls(visible[:, None, None, :], None, len(rows), keys)
+            return cls(visible[:, None, None, :], None, len(rows), keys, min(sizes), max(sizes) - 1)
         index = torch.zeros(len(rows), keys, dtype=torch.long, device=device)  # pads -> key 0, masked
         for i, r in enumerate(rows):
             index[i, : len(r)] = r
-        return cls(visible[:, None, None, :], index, 0, 0)
+        last = int(torch.cat([r.reshape(-1) for r in rows]).max())  # gathered rows (a server's batch): one sync
+        return cls(visible[:, None, None, :], index, 0, 0, min(sizes), last)
 
     @classmethod
-    def tree(cls, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> RowPlan:
+    def tree(cls, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> RowPlan:
         """Rows of a tree block appended after `ctx` cached keys: row i sees the context,
         then block rows `ancestors[i, :counts[i]]` (its ancestors and itself, in order).
         Leading rows that form a chain (row i's ancestors are rows 0..i) are prefixes.
 
-        ancestors: (T, A) block offsets, padded with anything; counts: (T,).
+        ancestors: (T, A) block offsets, padded with anything; counts: (T,); sizes: `counts`
+        as host ints where the caller has them (else read back from the device once).
         """
-        keys = _padded(ctx + int(counts.max()))  # Lp
+        sizes = counts.tolist() if sizes is None else sizes
+        keys = _padded(ctx + max(sizes))  # Lp
         cols = torch.arange(keys, device=ancestors.device)  # (Lp,)
         slot = (cols - ctx).clamp(0, ancestors.shape[1] - 1)  # (Lp,) ancestor slot of a block column
         index = torch.where(cols < ctx, cols, ctx + ancestors[:, slot])  # (T, Lp)
         visible = cols[None, :] < (ctx + counts)[:, None]  # (T, Lp)
         # Row i with i + 1 ancestors (itself included, all < i + 1) sees rows 0..i, so its
         # parent i - 1 does too: these rows are a leading run.
-        prefix = int((counts == torch.arange(1, len(counts) + 1, device=counts.device)).sum())
-        return cls(visible[:, None, None, :], index, prefix, _padded(ctx + prefix))
+        prefix = next((i for i, n in enumerate(sizes) if n != i + 1), len(sizes))
+        return cls(visible[:, None, None, :], index, prefix, _padded(ctx + prefix), ctx + min(sizes),
+                   ctx + len(sizes) - 1)
 
     def _checked(self, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen (T, Lp) bool, index (T, Lp)): row i's keys are index[i][seen[i]], in order,
@@ -122,9 +130,7 @@ class RowPlan:
         index = self.index
         if index is None:  # prefixes: row i's keys are 0..Lp-1
             index = torch.arange(self.num_keys, device=seen.device).expand_as(seen)  # (T, Lp)
-        last = int(torch.where(seen, index, -1).max())
-        if last >= num_keys:
-            raise ValueError(f"row plan reaches key {last} but the cache has {num_keys}")
+        self.sees_all(num_keys)  # checks the range
         return seen, index
 
     def key_lists(self, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +142,12 @@ class RowPlan:
             seen, index = self._checked(num_keys)
             self.memo[memo_key] = (index[:1] if self.index is None else index, seen.sum(-1))
         return self.memo[memo_key]
+
+    def sees_all(self, num_keys: int) -> bool:
+        """Every row sees all `num_keys` cache keys (a decoding step), decided on the host."""
+        if self.last_key >= num_keys:
+            raise ValueError(f"row plan reaches key {self.last_key} but the cache has {num_keys}")
+        return self.fewest_keys >= num_keys
 
     def visible(self, num_keys: int) -> torch.Tensor:
         """(T, S) bool over the first `num_keys` cache keys: key j is visible to row i. The

@@ -40,10 +40,10 @@ def block_mask(
     asks for the same one)."""
     memo_key = ("fused", num_keys, groups, dtype)
     if memo_key not in plan.memo:
-        seen = plan.visible(num_keys)  # (T, S) bool
-        if bool(seen.all()):
+        if plan.sees_all(num_keys):
             mask = None
         else:  # every row sees at least itself: no all -inf row
+            seen = plan.visible(num_keys)  # (T, S) bool
             mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)  # (T, S)
             mask.masked_fill_(~seen, float("-inf"))
             mask = mask.repeat(groups, 1)  # (groups * T, S)

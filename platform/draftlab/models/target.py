@@ -92,9 +92,12 @@ class Target:
         cache: DynamicCache,
         rows: list | attention.RowPlan | None = None,  # keys per row; see attention.RowPlan
         aux_layers: tuple[int, ...] = (),
+        last_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `ids` to `cache`; return logits (T, V) float32 and features (T, F) (the
-        last hidden state (T, H) without `aux_layers`; see `features`).
+        last hidden state (T, H) without `aux_layers`; see `features`). `last_logits`: the
+        last row's logits alone, (1, V) (a prefill: the LM head over every prompt row would
+        cost T x V float32 for one row's use).
 
         A decode step (one token) and a verify block (`rows` given) use row-exact attention,
         so verified rows equal decoded rows bit for bit; a prefill (T > 1, no `rows`) is
@@ -107,7 +110,8 @@ class Target:
         feats = self.run_decoder(
             aux_layers, input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=True, **extra
         )[0]  # (T, F)
-        return self.lm_head(feats[:, -self.hidden_size :]).float(), feats
+        head_in = feats[-1:] if last_logits else feats  # (1 or T, F)
+        return self.lm_head(head_in[:, -self.hidden_size :]).float(), feats
 
     @torch.inference_mode()
     def forward_many(
