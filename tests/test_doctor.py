@@ -29,7 +29,7 @@ def _by_check(lines: list[dict], name: str) -> list[dict]:
 
 def test_every_check_reports_and_none_fails(lines):
     assert [line["check"] for line in lines if "error" in line] == []
-    assert {line["check"] for line in lines} == {"env", "identity", "verify", "decode", "profile", "train"}
+    assert {line["check"] for line in lines} == {"env", "identity", "verify", "decode", "profile", "search", "train"}
     assert _by_check(lines, "env")[0]["memory_gb_per_s"] > 0
 
 
@@ -61,7 +61,32 @@ def test_speed_checks_report_costs_against_one_forward(lines):
     decode = _by_check(lines, "decode")[0]
     for key in ("ours_ms_per_token", "hf_generate_ms_per_token", "forward_ms", "bandwidth_floor_ms"):
         assert decode[key] > 0, key
+    for spec in ("chain-4", "wide-16"):  # every replayed draft is right: 4 drafts + the bonus most rounds
+        assert decode[f"replay_{spec}"]["identical"] and decode[f"replay_{spec}"]["tau"] > 4.0, spec
     assert _by_check(lines, "train")[0]["response_tokens_per_s"] > 0
+
+
+def test_search_prices_the_best_tree_of_each_budget_on_this_device(lines, tmp_path):
+    """The packaged drafter's acceptance gives one candidate per distinct best tree, each with
+    its timed verify and drafting; the chosen one is the best predicted speedup."""
+    search = _by_check(lines, "search")[0]
+    assert "SmolLM2-135M" in search["acceptance"]
+    nodes = [c["nodes"] for c in search["candidates"]]
+    assert nodes == sorted(set(nodes)) and nodes[0] == 1
+    for c in search["candidates"]:
+        assert c["verify_ms"] > 0 and c["draft_ms"] > 0 and c["expected_tau"] >= 1.0
+    best = max(search["candidates"], key=lambda c: c["predicted_speedup"])
+    assert search["chosen"]["nodes"] == best["nodes"] and len(search["chosen_paths"]) == best["nodes"]
+
+
+def test_search_reads_a_drafters_tree_search_json(tmp_path, capsys):
+    (tmp_path / "tree-search.json").write_text(json.dumps({"acceptance": [[0.9, 0.05], [0.9, 0.05]]}))
+    assert main(["doctor", "--device", "cpu", "--checks", "search", "--acceptance", str(tmp_path)]) == 0
+    search = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert search["acceptance"] == str(tmp_path / "tree-search.json")
+    assert max(c["nodes"] for c in search["candidates"]) == 6  # 2 depths x 2 ranks: 2 + 4 paths at most
+    assert main(["doctor", "--device", "cpu", "--checks", "search", "--acceptance", str(tmp_path / "none")]) == 2
+    assert "acceptance table" in capsys.readouterr().err
 
 
 def test_a_decoding_step_reads_one_value_back_from_the_device(lines):

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "installed: PYTHONPATH=platform python -m draftlab.doctor [options].")
     dr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     dr.add_argument("--gpu", action="store_true", help="the same as --device cuda")
-    dr.add_argument("--checks", type=_csv, default=None, help="comma list of env,identity,verify,decode,profile,train "
+    dr.add_argument("--checks", type=_csv, default=None, help="comma list of env,identity,verify,decode,profile,search,train "
                     "(default all)")
     dr.add_argument("--target", default=None, help="a local HF model directory checked instead of the random shapes")
     dr.add_argument("--identity-shape", default=None, help="shape of the identity and train checks' target "
@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--dtypes", type=_csv, default=None, help="identity check dtypes (default bfloat16,float32)")
     dr.add_argument("--contexts", type=_ints, default=None, help="verify/decode contexts (default 64 CPU, 512,2048 CUDA)")
     dr.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per identity prompt and decode run (64)")
+    dr.add_argument("--acceptance", default=None, help="search check: a drafter's tree-search.json or its directory "
+                    "(default: a packaged SmolLM2-135M drafter's rates)")
     dr.add_argument("--json", dest="json_out", default=None, help="also write the JSON lines here")
 
     d = sub.add_parser("distill", help="train a drafter by self-distillation on Ray Train (logged to MLflow)")
@@ -431,7 +433,8 @@ def _doctor(a: argparse.Namespace) -> None:
     from draftlab.doctor import run_doctor  # noqa: PLC0415 -- torch, transformers
 
     given = {"checks": a.checks, "target": a.target, "identity_shape": a.identity_shape, "speed_shape": a.speed_shape,
-             "dtypes": a.dtypes, "contexts": a.contexts, "new_tokens": a.new_tokens, "json_out": a.json_out}
+             "dtypes": a.dtypes, "contexts": a.contexts, "new_tokens": a.new_tokens, "acceptance": a.acceptance,
+             "json_out": a.json_out}
     cfg = DoctorConfig(device="cuda" if a.gpu else a.device, **{k: v for k, v in given.items() if v is not None})
     out = open(cfg.json_out, "w") if cfg.json_out else None  # noqa: SIM115 -- closed below, after every line
 

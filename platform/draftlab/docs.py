@@ -35,6 +35,7 @@ MODELS: tuple[tuple[str, str, str], ...] = (
     ("Load tests", "draftlab.config:LoadtestConfig", "`draftlab loadtest` (its flags)"),
     ("Benchmarks", "draftlab.config:BenchConfig", "`jobs/configs/bench-*.yaml`, and `draftlab bench` (its flags)"),
     ("Profiling", "draftlab.config:ProfileConfig", "`draftlab profile` (its flags)"),
+    ("GPU check", "draftlab.config:DoctorConfig", "`draftlab doctor` (its flags)"),
 )
 """(title, "module:Class", what it configures), in document order."""
 

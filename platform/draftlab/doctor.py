@@ -14,16 +14,21 @@ local target directory. On a GPU machine without draftlab installed:
             and the bandwidth floor (the weights read once per token)
   profile   where a decoding step's host time goes (torch.profiler): the top operators, and
             the kernel launches and host syncs per token
+  search    the tree the tree search picks with this device's costs: the best tree per node
+            budget under a drafter's measured rank acceptance (`--acceptance`, default a packaged
+            SmolLM2-135M drafter's), each priced with its timed verify forward and drafting
   train     one bf16 (where supported) training step of a p-eagle drafter, K=4
 """
 
 from __future__ import annotations
 
+import json
 import platform as std_platform  # the stdlib module (our source root has no __init__.py)
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import transformers
@@ -34,6 +39,7 @@ from draftlab.decoding.agreement import mismatches
 from draftlab.decoding.baselines import hf_runner
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree_files import resolve_tree
+from draftlab.decoding.tree_search import best_tree, expected_accepted
 from draftlab.distill.batching import collate
 from draftlab.distill.objective import DistillModule, loss_and_backward, teacher_states
 from draftlab.distill.precision import autocast_context, precision_for
@@ -42,8 +48,11 @@ from draftlab.models.drafters.build import init_drafter
 from draftlab.models.presets import numbered_tokenizer
 from draftlab.models.shapes import SHAPES
 from draftlab.models.target import Target, assemble_target, load_target, resolve_device
-from draftlab.profiling import profile_target
+from draftlab.profiling import draft_ms, profile_target, verify_ms
 
+# A trained drafter's held-out conditional rank acceptance (see its "source"): the search
+# check's table when none is given.
+PACKAGED_ACCEPTANCE = Path(__file__).parent / "decoding" / "rates" / "smollm2-135m-p-eagle-k4.json"
 CPU_DEFAULTS = {"identity_shape": "tiny", "speed_shape": "tiny", "contexts": [64], "train_batch": 2, "train_seq": 64}
 CUDA_DEFAULTS = {"identity_shape": "llama-3.2-1b", "speed_shape": "llama-3.1-8b", "contexts": [512, 2048],
                  "train_batch": 8, "train_seq": 1024}
@@ -115,7 +124,8 @@ def check_env(device: torch.device) -> dict:
 
 
 def copy_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
-    """Bytes per second a device-to-device copy moves (read + written), median of 5."""
+    """Bytes per second a device-to-device copy moves (read + written: the memory's traffic),
+    median of 5."""
     if device.type == "cpu":
         megabytes = 256
     src = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
@@ -164,7 +174,9 @@ def check_verify(cfg: DoctorConfig, target: Target) -> Iterator[dict]:
 
 
 def check_decode(cfg: DoctorConfig, target: Target, bandwidth: float) -> Iterator[dict]:
-    """Target-only decoding, ours and HF's, against one forward and the bandwidth floor."""
+    """Target-only decoding, ours and HF's, against one forward and the bandwidth floor; and
+    speculative decoding with every draft right (a drafter replaying decoding's own output:
+    the most a drafter can buy on this device, the engine's round overhead included)."""
     params = SamplingParams(max_new_tokens=cfg.new_tokens)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     for context in cfg.contexts:
@@ -175,20 +187,22 @@ def check_decode(cfg: DoctorConfig, target: Target, bandwidth: float) -> Iterato
         hf(prompt)
         ours = autoregressive_generate(target, prompt, params)
         theirs = hf(prompt)
-        steps = ours.stats.rounds  # tokens after the prefill's first
         line = {"check": "decode", "target": target.name, "context": context, "new_tokens": len(ours.tokens),
-                "ours_ms_per_token": 1e3 * (ours.stats.total_s - ours.stats.prefill_s) / max(steps, 1),
-                "hf_generate_ms_per_token": 1e3 * theirs.seconds / max(len(theirs.tokens), 1),
-                "forward_ms": forward_ms, "bandwidth_floor_ms": 1e3 * weight_bytes / (bandwidth / 2)}
-        if target.device.type == "cuda":  # is it SDPA's cuDNN backend, re-planning per key length?
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415 -- CUDA only
-
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                autoregressive_generate(target, prompt, params)
-                plain = autoregressive_generate(target, prompt, params)
-            line["ours_ms_per_token_without_cudnn_sdpa"] = 1e3 * (plain.stats.total_s - plain.stats.prefill_s) / max(
-                plain.stats.rounds, 1)
+                "ours_ms_per_token": _ms_per_token(ours), "hf_generate_ms_per_token": 1e3 * theirs.seconds / len(theirs.tokens),
+                "forward_ms": forward_ms, "bandwidth_floor_ms": 1e3 * weight_bytes / bandwidth}  # every weight read once
+        for spec in ("chain-4", "wide-16"):
+            decoder = SpeculativeDecoder(target, ReplayDrafter(prompt + ours.tokens, target.vocab_size, target.device),
+                                         resolve_tree(spec, None, k=4, cut=False))
+            decoder.generate(prompt, params)
+            replayed = decoder.generate(prompt, params)
+            line[f"replay_{spec}"] = {"ms_per_token": _ms_per_token(replayed), "tau": replayed.stats.tau,
+                                      "identical": replayed.tokens == ours.tokens}
         yield line
+
+
+def _ms_per_token(result) -> float:
+    """Decoding ms per token after the prefill's first (a `GenerationResult`)."""
+    return 1e3 * (result.stats.total_s - result.stats.prefill_s) / max(len(result.tokens) - 1, 1)
 
 
 def check_profile(cfg: DoctorConfig, target: Target, top: int = 12) -> Iterator[dict]:
@@ -212,6 +226,44 @@ def check_profile(cfg: DoctorConfig, target: Target, top: int = 12) -> Iterator[
            "device_to_host_copies_per_token": count.get("aten::_local_scalar_dense", 0) / steps,
            "top_host_ops": [{"op": e.key, "self_ms_per_token": e.self_cpu_time_total / 1e3 / steps,
                              "calls_per_token": e.count / steps} for e in by_host]}
+
+
+def load_acceptance(source: str | None) -> tuple[list[list[float]], str]:
+    """Conditional rank acceptance rates (depth x rank) and where they came from: a
+    `tree-search.json` (or the drafter directory holding one), or the packaged table."""
+    path = Path(source) if source else PACKAGED_ACCEPTANCE
+    if path.is_dir():
+        path = path / "tree-search.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"acceptance table {path} not found: give a drafter's tree-search.json or its directory")
+    data = json.loads(path.read_text())
+    return data["acceptance"], data.get("source", str(path))
+
+
+def check_search(cfg: DoctorConfig, target: Target) -> Iterator[dict]:
+    """The best tree per node budget (`tree_search.best_tree`), priced on this device: one
+    timed verify forward per tree and a p-eagle drafter's timed drafting to its depth;
+    predicted speedup = expected tau x t_decode / (t_verify + t_draft), the positional model's."""
+    acc, source = load_acceptance(cfg.acceptance)
+    trees: dict[tuple, object] = {}
+    for n in cfg.search_budgets:
+        tree = best_tree(acc, n)
+        trees.setdefault(tree.paths, tree)  # budgets past the useful paths give the same tree
+    context = cfg.contexts[0]
+    decode, *verify = verify_ms(target, [None, *trees.values()], context, cfg.repeats)
+    deepest = max(t.depth for t in trees.values())
+    drafter = init_drafter("p-eagle", target, k=deepest, depth=1).to(target.device)
+    drafting = {d: draft_ms(drafter, d, context, cfg.repeats) for d in sorted({t.depth for t in trees.values()})}
+    rows = []
+    for tree, v in zip(trees.values(), verify, strict=True):
+        tau = 1.0 + expected_accepted(tree, acc)
+        rows.append({"nodes": tree.num_nodes, "depth": tree.depth, "expected_tau": tau, "verify_ms": v,
+                     "draft_ms": drafting[tree.depth], "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
+                     "paths": [list(p) for p in tree.paths]})
+    best = max(rows, key=lambda r: r["predicted_speedup"])
+    yield {"check": "search", "target": target.name, "context": context, "acceptance": source, "decode_ms": decode,
+           "chosen": {"nodes": best["nodes"], "depth": best["depth"], "predicted_speedup": best["predicted_speedup"]},
+           "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows], "chosen_paths": best["paths"]}
 
 
 def check_train(cfg: DoctorConfig, device: torch.device) -> Iterator[dict]:
@@ -275,6 +327,8 @@ def run_doctor(cfg: DoctorConfig, emit: Callable[[dict], None]) -> list[dict]:
                 found = check_decode(cfg, speed(), bandwidth or copy_bandwidth(device))
             elif name == "profile":
                 found = check_profile(cfg, speed())
+            elif name == "search":
+                found = check_search(cfg, speed())
             else:
                 found = check_train(cfg, device)
             for line in found:

@@ -141,7 +141,7 @@ class ProfileConfig(StrictModel):
     """Write the JSON report here."""
 
 
-DoctorCheck = Literal["env", "identity", "verify", "decode", "profile", "train"]
+DoctorCheck = Literal["env", "identity", "verify", "decode", "profile", "search", "train"]
 
 
 class DoctorConfig(StrictModel):
@@ -150,7 +150,8 @@ class DoctorConfig(StrictModel):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the checks run. `auto` = cuda when available, else cpu."""
-    checks: list[DoctorCheck] = Field(default_factory=lambda: ["env", "identity", "verify", "decode", "profile", "train"])
+    checks: list[DoctorCheck] = Field(
+        default_factory=lambda: ["env", "identity", "verify", "decode", "profile", "search", "train"])
     """Which checks to run, in this order."""
     target: str | None = None
     """A local HF model directory (or preset) checked instead of the random-weight shapes."""
@@ -158,7 +159,7 @@ class DoctorConfig(StrictModel):
     """Shape (`draftlab.models.shapes.SHAPES`) of the identity and train checks' target.
     Default: `tiny` on a CPU, `llama-3.2-1b` on CUDA."""
     speed_shape: str | None = None
-    """Shape of the verify, decode and profile checks' target. Default: `tiny` on a CPU,
+    """Shape of the verify, decode, profile and search checks' target. Default: `tiny` on a CPU,
     `llama-3.1-8b` on CUDA."""
     dtypes: list[Literal["float32", "bfloat16"]] = Field(default_factory=lambda: ["bfloat16", "float32"])
     """Target dtypes the identity check runs (the speed checks use the device's own: bf16 on
@@ -180,6 +181,11 @@ class DoctorConfig(StrictModel):
     """Verify block sizes k timed for t(k)/t(1)."""
     repeats: int = Field(15, ge=1)
     """Timed repeats per verify point (median reported)."""
+    acceptance: str | None = None
+    """The search check's conditional rank acceptance: a drafter's `tree-search.json` (or its
+    directory). Default: a packaged table measured for a SmolLM2-135M p-eagle drafter."""
+    search_budgets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48, 64])
+    """Node budgets whose best trees the search check prices."""
     train_batch: int | None = Field(None, ge=1)
     """Sequences per training step. Default: 2 on a CPU, 8 on CUDA."""
     train_seq: int | None = Field(None, ge=8)

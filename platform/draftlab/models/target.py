@@ -287,8 +287,11 @@ def load_target(spec: TargetSpec | str) -> Target:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=spec.trust_remote_code)
                 # safetensors only: a pickled checkpoint (pytorch_model.bin) can run code on load
+                # device_map: the weights go straight to the GPU (an 8B model would otherwise
+                # pass through 16 GB of host memory first)
                 model = AutoModelForCausalLM.from_pretrained(
-                    name, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=True
+                    name, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=True,
+                    **({"device_map": str(device)} if device.type == "cuda" else {}),
                 )
             except OSError as e:
                 raise OSError(
