@@ -174,9 +174,12 @@ def check_verify(cfg: DoctorConfig, target: Target) -> Iterator[dict]:
 
 
 def check_decode(cfg: DoctorConfig, target: Target, bandwidth: float) -> Iterator[dict]:
-    """Target-only decoding, ours and HF's, against one forward and the bandwidth floor; and
-    speculative decoding with every draft right (a drafter replaying decoding's own output:
-    the most a drafter can buy on this device, the engine's round overhead included)."""
+    """Target-only decoding, ours and HF's (its prefill included), against one forward and the
+    bandwidth floor; and speculative decoding with every draft right (a drafter replaying
+    decoding's own output: the most a drafter can buy on this device, the engine's round
+    overhead included). A deep random-weight model has nearly flat logits: at a bf16 tie the
+    speculative output may leave decoding's path, after which the replayed drafts are wrong
+    (`identical` false, tau near 1) and the figure says nothing."""
     params = SamplingParams(max_new_tokens=cfg.new_tokens)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     for context in cfg.contexts:
