@@ -98,11 +98,19 @@ def test_a_decoding_step_reads_one_value_back_from_the_device(lines):
     assert profile["top_host_ops"] and profile["steps"] > 0
 
 
+def test_python_dash_m_draftlab_is_the_command(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "draftlab", "doctor", "--device", "cpu", "--checks", "env"],
+                         cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "platform"), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["check"] == "env"
+
+
 def test_runs_from_the_source_tree_without_ray_mlflow_or_vllm():
-    """On a GPU machine without draftlab installed: `PYTHONPATH=platform python -m
-    draftlab.doctor`; it imports none of the cluster, tracking or serving stacks."""
-    code = ("import sys, runpy; sys.argv = ['doctor', '--device', 'cpu', '--checks', 'env,verify', '--contexts', '8'];"
-            "import draftlab.doctor as d; rc = d.main();"
+    """On a GPU machine without draftlab installed: `PYTHONPATH=platform python -m draftlab
+    doctor`; it imports none of the cluster, tracking or serving stacks."""
+    code = ("import sys, runpy; sys.argv = ['draftlab', 'doctor', '--device', 'cpu', '--checks', 'env,verify', '--contexts', '8'];"
+            "from draftlab.cli import main; rc = main();"
             "heavy = [m for m in ('ray', 'mlflow', 'vllm', 'fastapi', 'datasets') if m in sys.modules];"
             "print('HEAVY', heavy); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT / "platform"), "PATH": "/usr/bin:/bin"},

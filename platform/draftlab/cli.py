@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "verify and decode costs, a training step (JSON lines)",
                         description="Runs with torch, transformers and pydantic alone (no Ray, MLflow, vLLM or hub): "
                         "random-weight Llamas of real shapes built in memory, or --target DIR. Without draftlab "
-                        "installed: PYTHONPATH=platform python -m draftlab.doctor [options].")
+                        "installed: PYTHONPATH=platform python -m draftlab doctor [options].")
     dr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     dr.add_argument("--gpu", action="store_true", help="the same as --device cuda")
     dr.add_argument("--checks", type=_csv, default=None, help="comma list of env,identity,verify,decode,profile,search,train "

@@ -3,7 +3,7 @@
 Needs torch, transformers and pydantic alone (no Ray, MLflow, vLLM or model hub): targets are
 random-weight Llamas of real shapes built in memory on the device (`models/shapes.py`), or a
 local target directory. On a GPU machine without draftlab installed:
-`PYTHONPATH=platform python -m draftlab.doctor`. The checks, in order:
+`PYTHONPATH=platform python -m draftlab doctor --gpu`. The checks, in order:
 
   env       versions, the device and its memory bandwidth (a timed copy)
   identity  greedy output of each verify attention, dtype and tree against target-only decoding,
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import platform as std_platform  # the stdlib module (our source root has no __init__.py)
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -305,6 +304,8 @@ def run_doctor(cfg: DoctorConfig, emit: Callable[[dict], None]) -> list[dict]:
     """Run the configured checks, passing each JSON line to `emit` as it is ready."""
     device = resolve_device(cfg.device)
     cfg = with_defaults(cfg, device)
+    if "search" in cfg.checks:
+        load_acceptance(cfg.acceptance)  # a wrong path fails before minutes of checks
     lines: list[dict] = []
     speed_target, bandwidth = None, None
 
@@ -343,14 +344,3 @@ def run_doctor(cfg: DoctorConfig, emit: Callable[[dict], None]) -> list[dict]:
             lines.append(line)
             emit(line)
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m draftlab.doctor [args]` = `draftlab doctor [args]`, without installing draftlab."""
-    from draftlab.cli import main as cli_main  # noqa: PLC0415 -- the CLI imports this module's callers
-
-    return cli_main(["doctor", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
