@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from draftlab.config import DoctorConfig, SamplingParams, TargetSpec, TrainConfig
 from draftlab.decoding.agreement import mismatches
@@ -75,7 +75,7 @@ def build_target(cfg: DoctorConfig, shape: str, device: torch.device, dtype: tor
                          max_position_embeddings=8192, initializer_range=s.init, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(0)  # the same weights for every dtype and attention
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return assemble_target(f"random-{shape}", model, numbered_tokenizer(s.vocab), device, dtype, attention)
 
 
@@ -122,11 +122,10 @@ def check_env(device: torch.device) -> dict:
             "cuda": torch.version.cuda, "memory_gb_per_s": round(copy_bandwidth(device) / 1e9, 1)}
 
 
-def copy_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
+def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second a device-to-device copy moves (read + written: the memory's traffic),
-    median of 5."""
-    if device.type == "cpu":
-        megabytes = 256
+    median of 5; 1 GiB on a GPU, 256 MiB on a CPU (past its caches either way)."""
+    megabytes = 1024 if device.type == "cuda" else 256
     src = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
