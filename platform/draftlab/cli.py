@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--target", default=None, help="a local HF model directory checked instead of the random shapes")
     dr.add_argument("--identity-shape", default=None, help="shape of the identity and train checks' target "
                     "(tiny, small, llama-3.2-1b, llama-3.1-8b; default tiny on CPU, llama-3.2-1b on CUDA)")
-    dr.add_argument("--speed-shape", default=None, help="shape of the verify, decode and profile checks' target "
+    dr.add_argument("--speed-shape", default=None, help="shape of the verify, decode, profile and search checks' target "
                     "(default tiny on CPU, llama-3.1-8b on CUDA)")
     dr.add_argument("--dtypes", type=_csv, default=None, help="identity check dtypes (default bfloat16,float32)")
     dr.add_argument("--contexts", type=_ints, default=None, help="verify/decode contexts (default 64 CPU, 512,2048 CUDA)")

@@ -308,7 +308,7 @@ def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch
     `tree.ancestor_rows` on the target's device."""
     if tree.is_chain:
         return [ctx + i + 1 for i in range(tree.num_nodes + 1)]
-    return RowPlan.tree(ctx, ancestors, counts, [len(a) for a in tree.ancestors])  # sizes: no device read-back
+    return RowPlan.tree(ctx, ancestors, counts, tree.ancestor_counts)  # sizes: no device read-back
 
 
 @torch.inference_mode()

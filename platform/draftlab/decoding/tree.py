@@ -86,6 +86,11 @@ class Topology:
         return seen
 
     @cached_property
+    def ancestor_counts(self) -> list[int]:
+        """(N+1,) how many block rows each node sees (its ancestors and itself), as host ints."""
+        return [len(a) for a in self.ancestors]
+
+    @cached_property
     def ancestor_mask(self) -> torch.Tensor:
         """(N+1, N+1) bool: row i may attend to column j iff j is i or an ancestor of i."""
         n = len(self.parents)
