@@ -45,10 +45,11 @@ from draftlab.models.drafters.build import load_drafter, resolve_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
-from draftlab.vllm_lookup import engine_kwargs
+from draftlab.verdict import add_load_speedups, verdict
 from draftlab.vllm_offline import SpecCounters, VllmEngine, require_vllm
+from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs
 
-VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram")  # in the order their engines run
+VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram")  # engines' run order
 TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
 BENCH_TREE = "default"  # the tree method's tree without `tree` nor a saved `tree.json`: not a chain
 
@@ -205,7 +206,7 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
             runs[m].append((p.category, runners[m](ids)))
             bar.update()
     bar.close()
-    vllm_runs, vllm_info = _run_vllm(vllm_plan, target, cfg, params, encoded, progress)
+    vllm_runs, vllm_info, load = _run_vllm(vllm_plan, target, cfg, params, encoded, progress)
     runs |= vllm_runs
 
     ar_tokens = [r.tokens for _, r in runs["ar"]]
@@ -257,7 +258,11 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         "vllm": vllm_info,
         "torch": torch.__version__,
         "methods": summary,
+        # each vLLM method under load: {method: {level: tokens/s, tau, speedup_vs_vllm_ar}}
+        "load": add_load_speedups(load) if load else None,
     }
+    if vllm_runs:  # what to deploy: the fastest served configuration, with its batch-size schedule
+        report["verdict"] = verdict(report, cfg)
     if cfg.json_out:
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")
@@ -299,28 +304,29 @@ def _add_speedups(summary: dict, base: str) -> None:
 
 
 def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, source: Path | None, encoded: list,
-               work: Path) -> dict:
-    """{vllm method: its engine's speculative settings ({} = target only)} in run order,
-    `vllm_ar` first; {} without vLLM methods. Checks what would otherwise fail after
-    minutes of decoding: vLLM installed, prompts fit `vllm.max_model_len`, the drafter
-    exports."""
+               work: Path) -> dict[str, dict]:
+    """{engine: {"kwargs": its engine's settings ({} = target only), "methods": {method: the
+    per-request `extra_args` it is measured with}}} in run order, `vllm_ar` first; {} without
+    vLLM methods. Checks what would otherwise fail after minutes of decoding: vLLM (and
+    Arctic for suffix) installed, prompts fit `vllm.max_model_len`, the drafter exports."""
     asked = [m for m in VLLM_METHODS if m in cfg.methods]
     if not asked:
         return {}
 
+    v = cfg.vllm
     try:
         require_vllm()
+        builtin = {m: builtin_config(m.removeprefix("vllm_"), cfg.k, v.ngram_min, v.ngram_max, v.suffix_cached_requests)
+                   for m in ("vllm_ngram", "vllm_suffix") if m in asked}
     except ImportError as e:
         raise ConfigError(f"methods {asked}: {e}") from None
     longest = max((len(ids) for _, ids in encoded), default=0)
-    if longest + cfg.max_new_tokens > cfg.vllm.max_model_len:
-        raise ConfigError(f"vllm.max_model_len={cfg.vllm.max_model_len} is shorter than the longest prompt "
+    if longest + cfg.max_new_tokens > v.max_model_len:
+        raise ConfigError(f"vllm.max_model_len={v.max_model_len} is shorter than the longest prompt "
                           f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
-    plan: dict[str, dict] = {"vllm_ar": {}}
-    if "vllm_ngram" in asked:
-        plan["vllm_ngram"] = {"speculative_config": {
-            "method": "ngram", "num_speculative_tokens": cfg.k or 4,
-            "prompt_lookup_max": cfg.vllm.ngram_max, "prompt_lookup_min": cfg.vllm.ngram_min}}
+    plan: dict[str, dict] = {"vllm_ar": {"kwargs": {}, "methods": {"vllm_ar": None}}}
+    for m, spec in builtin.items():  # scheduled by ours: per-request draft lengths (`draftlab_k`)
+        plan[m] = {"kwargs": engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0)), "methods": {m: None}}
     drafted = [m for m in asked if m.startswith("vllm_draftlab")]
     if drafted:
         if drafter is None:
@@ -332,49 +338,81 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, sou
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
         k = cfg.k or (served_draft_length(source) if source else drafter.cfg.k)  # as deep as its tree.json drafts
+        if bad := [n for n in v.draft_lengths if not 1 <= n < k]:
+            raise ConfigError(f"vllm.draft_lengths {bad}: each must be >= 1 and < the drafter's draft length {k}")
         spec = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
         if "vllm_draftlab" in asked:
-            plan["vllm_draftlab"] = {"speculative_config": spec}
+            methods = {"vllm_draftlab": None} | {f"vllm_draftlab@k{n}": {REQUEST_K: n} for n in v.draft_lengths}
+            plan["vllm_draftlab"] = {"kwargs": engine_kwargs(None, spec, k), "methods": methods}
         if "vllm_draftlab_ngram" in asked:  # the drafter's k tokens, or a copy from the text
-            plan["vllm_draftlab_ngram"] = engine_kwargs(cfg.ngram, spec, k)
+            plan["vllm_draftlab_ngram"] = {"kwargs": engine_kwargs(cfg.ngram, spec, k),
+                                           "methods": {"vllm_draftlab_ngram": None}}
     return plan
 
 
+def _load_prompts_for(encoded: list, level: int, requests: int | None) -> list[list[int]]:
+    """The prompts of one load level: each in turn, cycled to `requests` (None = max(prompts,
+    2 x level), so every level keeps its clients busy past the first wave)."""
+    n = requests or max(len(encoded), 2 * level)
+    return [encoded[i % len(encoded)][1] for i in range(n)]
+
+
 def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingParams, encoded: list, progress: bool
-              ) -> tuple[dict[str, list[tuple[str, Run]]], dict | None]:
-    """Each planned engine as one block over all prompts after the warm-up, one alive at a time."""
+              ) -> tuple[dict[str, list[tuple[str, Run]]], dict | None, dict]:
+    """Each planned engine as one block, one alive at a time: after the warm-up its methods
+    interleaved prompt by prompt over all prompts, then each load level (`cfg.concurrency`)
+    for each of its methods. Returns the runs, the engines' info and {method: {level: load}}."""
     if not plan:
-        return {}, None
+        return {}, None, {}
 
     model_dir = vllm_target_dir(target)
     runs: dict[str, list[tuple[str, Run]]] = {}
+    load: dict[str, dict[str, dict]] = {}
     startup: dict[str, float] = {}
-    bar = tqdm(total=len(encoded) * len(plan), desc="bench vllm", disable=not progress, unit="run")
-    for method, engine in plan.items():
-        bar.set_postfix_str(f"{method}: starting engine")
+    methods = sum(len(e["methods"]) for e in plan.values())
+    levels = [(c, _load_prompts_for(encoded, c, cfg.load_requests)) for c in cfg.concurrency]
+    bar = tqdm(total=methods * (len(encoded) + sum(len(ps) for _, ps in levels)), desc="bench vllm",
+               disable=not progress, unit="req")
+    for name, engine in plan.items():
+        bar.set_postfix_str(f"{name}: starting engine")
         with VllmEngine(model_dir, dtype=target.dtype, max_model_len=cfg.vllm.max_model_len,
                         memory_fraction=cfg.vllm.memory_fraction, enforce_eager=cfg.vllm.enforce_eager,
-                        memory_setting="vllm.memory_fraction (--vllm-memory-fraction)", seed=cfg.seed, **engine) as llm:
-            startup[method] = llm.startup_s
+                        memory_setting="vllm.memory_fraction (--vllm-memory-fraction)", seed=cfg.seed,
+                        **engine["kwargs"]) as llm:
+            startup[name] = llm.startup_s
 
-            def run(ids: list[int]) -> Run:
-                r = llm.generate(ids, params.max_new_tokens, params.temperature, params.top_p, params.seed)  # noqa: B023
+            def run(ids: list[int], extra: dict | None) -> Run:
+                r = llm.generate(ids, params.max_new_tokens, params.temperature, params.top_p, params.seed,  # noqa: B023
+                                 extra_args=extra)
                 # target forwards after the prefill: each yields 1 + its accepted drafts
                 return Run(r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec)
 
             for _, ids in encoded[: cfg.warmup]:
-                run(ids)
-            runs[method] = []
+                for extra in engine["methods"].values():
+                    run(ids, extra)
+            for m in engine["methods"]:
+                runs[m] = []
             for p, ids in encoded:
-                bar.set_postfix_str(f"{p.category}:{method}")
-                runs[method].append((p.category, run(ids)))
-                bar.update()
+                for m, extra in engine["methods"].items():
+                    bar.set_postfix_str(f"{p.category}:{m}")
+                    runs[m].append((p.category, run(ids, extra)))
+                    bar.update()
+            for c, prompts in levels:
+                for m, extra in engine["methods"].items():
+                    bar.set_postfix_str(f"{m} x{c}")
+                    r = llm.generate_closed_loop(prompts, c, params.max_new_tokens, temperature=params.temperature,
+                                                 extra_args=extra)
+                    load.setdefault(m, {})[str(c)] = {"tokens_per_s": r.tokens_per_s, "tau": r.spec.tau,
+                                                       "requests": len(prompts), "seconds": r.seconds}
+                    bar.update(len(prompts))
     bar.close()
     info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
             **cfg.vllm.model_dump(), "startup_s": startup,
-            "speculative_config": {m: e.get("speculative_config") for m, e in plan.items()},
-            "lookups": {m: e["additional_config"] for m, e in plan.items() if "additional_config" in e}}
-    return runs, info
+            "engines": {name: list(e["methods"]) for name, e in plan.items()},
+            "speculative_config": {name: e["kwargs"].get("speculative_config") for name, e in plan.items()},
+            "lookups": {name: e["kwargs"]["additional_config"] for name, e in plan.items()
+                        if "additional_config" in e["kwargs"]}}
+    return runs, info, load
 
 
 def render_table(report: dict) -> str:
@@ -408,4 +446,25 @@ def render_table(report: dict) -> str:
             vident = report["vllm_greedy_identical"] if report["vllm_greedy_checked"] else "n/a"
             console.print(f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: {report['vllm_ar_matches_ar']}   "
                           f"vLLM engines ran after ours, one block each: {', '.join(report['vllm_order']['blocks'])}")
+        if load := report.get("load"):
+            console.print(load_table(load))
+        if v := report.get("verdict"):
+            console.print(f"verdict: deploy {v['served']} {v['deploy']}\n  {v['reason']}")
     return cap.get()
+
+
+def load_table(load: dict[str, dict[str, dict]]) -> Table:
+    """tokens/s (and x vllm_ar) of each vLLM method at each load level."""
+    levels = sorted({int(c) for rows in load.values() for c in rows})
+    table = Table(title="under load: output tokens/s (x vllm_ar), closed loop")
+    table.add_column("method")
+    for c in levels:
+        table.add_column(f"{c} in flight", justify="right")
+    for m, rows in load.items():
+        cells = []
+        for c in levels:
+            r = rows.get(str(c))
+            x = r and r.get("speedup_vs_vllm_ar")
+            cells.append("" if r is None else f"{r['tokens_per_s']:.1f}" + (f" ({x:.2f}x)" if x else ""))
+        table.add_row(m, *cells)
+    return table

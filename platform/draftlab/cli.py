@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
     b.add_argument("--methods", type=_csv, default=",".join(METHODS), help=f"comma list of {METHODS}; "
                    "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the chain/tree); "
-                   "vLLM's vllm_ar, vllm_ngram, vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s to minutes)")
+                   "vLLM's vllm_ar, vllm_ngram, vllm_suffix (needs arctic-inference), vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s to minutes)")
     b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
     b.add_argument("--ngram-min", type=int, default=NgramSpec().min_match, help="*_ngram: shortest suffix n-gram matched")
     b.add_argument("--ngram-max", type=int, default=NgramSpec().max_match, help="*_ngram: longest suffix n-gram matched")
@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="*_ngram in our engine: carry on each prefix of the drafter's likeliest path (and its next likeliest first token) with up to this many looked-up tokens (text, then store); 0 = off")
     b.add_argument("--vllm-memory-fraction", type=float, default=VllmBenchSpec().memory_fraction,
                    help="vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for weights + KV cache")
+    b.add_argument("--vllm-draft-lengths", type=_ints, default="", help="vllm_draftlab: also measure these k "
+                   "(< its draft length), one vllm_draftlab@k<n> method each, on the same engine")
+    b.add_argument("--concurrency", type=_ints, default="", help="vllm_*: also measure each method under load at "
+                   "these levels (comma list, e.g. 1,4,16) and print the verdict: the configuration to deploy and its "
+                   "batch-size schedule of draft tokens")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
@@ -413,7 +418,8 @@ def _bench(a: argparse.Namespace) -> None:
         warmup=a.warmup, methods=a.methods, json_out=a.json_out,
         ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to,
                         extend=a.ngram_extend),
-        vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction),
+        vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction, draft_lengths=a.vllm_draft_lengths),
+        concurrency=a.concurrency,
     )
     report = run_bench(cfg)
     print(render_table(report))

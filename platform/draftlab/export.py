@@ -145,7 +145,7 @@ def served_draft_length(drafter_dir: str | Path) -> int:
 def served_lookups(drafter_dir: str | Path) -> NgramSpec | None:
     """The prompt lookups our engine grafts onto the tree it serves a saved drafter with (its
     `tree.json`, `+ngram`), None when that tree has none or there is no `tree.json`. vLLM
-    merges them into the drafter's drafts (`draftlab.vllm_lookup`)."""
+    merges them into the drafter's drafts (`draftlab.vllm_scheduler`)."""
     saved = Path(drafter_dir) / "tree.json"
     return load_tree(str(saved)).ngram if saved.is_file() else None
 

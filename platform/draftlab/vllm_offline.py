@@ -118,6 +118,21 @@ class VllmRun:
     spec: SpecCounters
 
 
+@dataclass
+class VllmLoad:
+    """Prompts decoded with `concurrency` requests in flight: each prompt's new token ids, wall
+    seconds of the whole run and its speculative counters."""
+
+    tokens: list[list[int]]
+    seconds: float
+    spec: SpecCounters
+    concurrency: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(map(len, self.tokens)) / self.seconds if self.seconds else 0.0
+
+
 def read_counters(metrics: list) -> SpecCounters:
     """Sum the spec-decode counters of a `LLM.get_metrics()` snapshot over engines."""
     out = SpecCounters()
@@ -217,38 +232,72 @@ class VllmEngine:
 
     def generate(
         self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-        seed: int | None = None,
+        seed: int | None = None, extra_args: dict | None = None,
     ) -> VllmRun:
         """Decode one prompt of token ids (greedy at temperature 0), timed, with its
-        speculative counters; stops at EOS."""
-        if self.llm is None:
-            raise RuntimeError("VllmEngine.generate outside `with VllmEngine(...)`")
+        speculative counters; stops at EOS. `extra_args`: vLLM's per-request `extra_args`
+        (e.g. `draftlab.vllm_scheduler.REQUEST_K`)."""
+        self._check("generate")
         before = read_counters(self.llm.get_metrics())
         t0 = time.perf_counter()
-        (tokens,) = self.generate_many([prompt], max_new_tokens, temperature=temperature, top_p=top_p, seeds=[seed])
+        (tokens,) = self.generate_many([prompt], max_new_tokens, temperature=temperature, top_p=top_p, seeds=[seed],
+                                       extra_args=extra_args)
         seconds = time.perf_counter() - t0
         spec = read_counters(self.llm.get_metrics()) - before
         return VllmRun(tokens, seconds, spec)
 
     def generate_many(
         self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-        seeds: list[int | None] | None = None, stop_token_ids: list[int] | None = None,
+        seeds: list[int | None] | None = None, stop_token_ids: list[int] | None = None, extra_args: dict | None = None,
     ) -> list[list[int]]:
         """Decode prompts of token ids together (vLLM batches up to `max_num_seqs`): the new
         ids of each, in order, the stopping token included. Greedy at temperature 0; prompt
         i samples with `seeds[i]` (its output then depends on nothing else in the batch)."""
-        from vllm import SamplingParams, TokensPrompt  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+        from vllm import TokensPrompt  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
 
-        if self.llm is None:
-            raise RuntimeError("VllmEngine.generate_many outside `with VllmEngine(...)`")
+        self._check("generate_many")
         seeds = seeds if seeds is not None else [None] * len(prompts)
-        params = [
-            SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                           stop_token_ids=stop_token_ids, detokenize=False)
-            for seed in seeds
-        ]
+        params = [self._params(max_new_tokens, temperature, top_p, seed, stop_token_ids, extra_args) for seed in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def generate_closed_loop(
+        self, prompts: list[list[int]], concurrency: int, max_new_tokens: int, *, temperature: float = 0.0,
+        extra_args: dict | None = None,
+    ) -> VllmLoad:
+        """Decode every prompt once with `concurrency` requests in flight: as one finishes the
+        next is submitted (closed-loop clients, as `draftlab loadtest` runs them, without HTTP),
+        timed, with the speculative counters of the whole run."""
+        self._check("generate_closed_loop")
+        engine, todo = self.llm.llm_engine, list(enumerate(prompts))[::-1]
+        params = self._params(max_new_tokens, temperature, 1.0, None, None, extra_args)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        before = read_counters(self.llm.get_metrics())
+        t0 = time.perf_counter()
+        in_flight = 0
+        while todo or in_flight:
+            while todo and in_flight < concurrency:
+                i, ids = todo.pop()
+                engine.add_request(f"load-{id(tokens)}-{i}", {"prompt_token_ids": list(ids)}, params)
+                in_flight += 1
+            for out in engine.step():
+                if out.finished:
+                    tokens[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                    in_flight -= 1
+        seconds = time.perf_counter() - t0
+        return VllmLoad(tokens, seconds, read_counters(self.llm.get_metrics()) - before, concurrency)
+
+    def _check(self, what: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"VllmEngine.{what} outside `with VllmEngine(...)`")
+
+    @staticmethod
+    def _params(max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
+                stop_token_ids: list[int] | None, extra_args: dict | None):
+        from vllm import SamplingParams  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+
+        return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              stop_token_ids=stop_token_ids, detokenize=False, extra_args=extra_args)
 
     def close(self) -> None:
         """Stop the engine (its processes exit and free their memory); idempotent."""

@@ -12,7 +12,7 @@ from draftlab.config import ConfigError, NgramSpec
 from draftlab.export import vllm_target_dir
 from draftlab.models.drafters.build import init_drafter
 from draftlab.serve.vllm_app import VllmServeArgs, resolve_engine, vllm_drafter
-from draftlab.vllm_lookup import LOOKUP_KEY, SCHEDULER, engine_kwargs
+from draftlab.vllm_scheduler import LOOKUP_KEY, SCHEDULER, engine_kwargs
 
 TARGET = "tiny-llama-vllm"
 

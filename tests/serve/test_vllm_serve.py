@@ -19,7 +19,7 @@ from ray import serve  # noqa: E402
 
 from draftlab.config import NgramSpec  # noqa: E402
 from draftlab.serve.vllm_app import VllmServeArgs, build_vllm_app  # noqa: E402
-from draftlab.vllm_lookup import LOOKUP_KEY, SCHEDULER  # noqa: E402
+from draftlab.vllm_scheduler import LOOKUP_KEY, SCHEDULER  # noqa: E402
 from serve_support import local_serve, report  # noqa: E402
 
 # Each test's limit covers the module's start (Ray ~10 s + vLLM engine ~50 s, eager, on 2 cores)

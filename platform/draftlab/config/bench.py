@@ -31,6 +31,14 @@ class VllmBenchSpec(StrictModel):
     """`vllm_ngram`: shortest prompt n-gram matched (`prompt_lookup_min`)."""
     ngram_max: int = Field(4, ge=1)
     """`vllm_ngram`: longest prompt n-gram matched (`prompt_lookup_max`)."""
+    suffix_cached_requests: int = Field(0, ge=0)
+    """`vllm_suffix`: past responses its global suffix tree keeps
+    (`suffix_decoding_max_cached_requests`). 0: the load levels repeat prompts, and a cache of
+    the very answer asked for would be an invented win."""
+    draft_lengths: list[int] = Field(default_factory=list)
+    """`vllm_draftlab` is also measured drafting each of these k (< its draft length), one
+    `vllm_draftlab@k<n>` method each, on the same engine (per-request draft lengths,
+    `draftlab.vllm_scheduler`; vLLM's parallel drafting still drafts every slot a step)."""
 
     @model_validator(mode="after")
     def _ngram_range(self) -> VllmBenchSpec:
@@ -88,25 +96,40 @@ class BenchConfig(StrictModel):
     """Untimed prompts run per method before timing."""
     methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree",
                           "draftlab_chain_ngram", "draftlab_tree_ngram",
-                          "vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"]] = Field(
+                          "vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]] = Field(
         default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
     )
     """Which methods to run; `ar` is always run because every speedup is relative to it, and
     `vllm_ar` whenever another `vllm_*` method is (vLLM target-only, for `speedup_vs_vllm_ar`
     and `vllm_greedy_identical`). `draftlab_chain_ngram` / `draftlab_tree_ngram` are the chain
-    and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_*` need vLLM installed and are not in the default
+    and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_suffix` is
+    Arctic's suffix decoding (needs arctic-inference). `vllm_*` need vLLM installed and are not in the default
     because each engine's start-up costs ~20 s to minutes; `vllm_draftlab` exports the
     drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`;
     `vllm_draftlab_ngram` runs it with `ngram`'s prompt lookups merged in (a copy from the
-    text where it has a match, else the drafter's draft: `draftlab.vllm_lookup`)."""
+    text where it has a match, else the drafter's draft: `draftlab.vllm_scheduler`)."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """`prompt_lookup_num_tokens` for transformers' prompt-lookup decoding."""
     ngram: NgramSpec = Field(default_factory=NgramSpec)
     """Prompt-lookup drafts grafted onto our engine's tree by the `*_ngram` methods."""
     vllm: VllmBenchSpec = Field(default_factory=VllmBenchSpec)
     """vLLM engine settings for the `vllm_*` methods."""
+    concurrency: list[int] = Field(default_factory=list)
+    """After the one-at-a-time runs, every `vllm_*` method is measured under load at each of
+    these levels (that many requests in flight, a new one as each finishes: closed-loop clients
+    without HTTP), and the report adds `load` and the `verdict` (the configuration to deploy,
+    with its batch-size schedule of draft tokens). Empty = none."""
+    load_requests: int | None = Field(None, ge=1)
+    """Requests per load level (prompts cycled); None = max(prompts, 2 x level)."""
     json_out: str | None = None
     """Write the JSON report here."""
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: list[int]) -> list[int]:
+        if any(c < 1 for c in v) or v != sorted(set(v)):
+            raise ValueError(f"concurrency levels must be distinct, increasing and >= 1, got {v}")
+        return v
 
     @field_validator("versus")
     @classmethod

@@ -50,7 +50,7 @@ class NgramSpec(StrictModel):
     """Longest copy from the text: after a round that committed a whole copy, the next may
     copy twice as many tokens, up to this; a copy cut short resets it to `tokens`. A value
     <= `tokens` keeps every copy `tokens` long. Our engine only: vLLM's copies stay `tokens`
-    long (`draftlab.vllm_lookup`)."""
+    long (`draftlab.vllm_scheduler`)."""
     store_tokens: int = Field(3, ge=0, le=64)
     """Where the text has no match, graft up to this many tokens from the drafter's
     `lookup-store` (the target's responses to the training prompts; `decoding/ngram.py`),

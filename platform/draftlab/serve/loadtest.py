@@ -28,6 +28,7 @@ import psutil
 
 from draftlab.config import LoadtestConfig
 from draftlab.data.prompts import load_prompts
+from draftlab.vllm_scheduler import REQUEST_K
 
 
 @dataclass
@@ -53,7 +54,9 @@ async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, messa
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
     if mode != "server":
-        body["speculation"] = mode
+        body["speculation"] = mode  # draftlab's engine
+    if mode == "off":  # vLLM served by draftlab: this request's draft tokens capped at 0 (`vllm_scheduler`)
+        body["vllm_xargs"] = {REQUEST_K: 0}
     t0 = time.perf_counter()
     ttft, usage = None, None
     try:

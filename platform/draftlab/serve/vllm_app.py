@@ -15,7 +15,7 @@ on the target's HF directory or hub id (`draftlab.export.vllm_target_dir`) with
                           "num_speculative_tokens": K, "parallel_drafting": true}   (P-EAGLE)
 
 and, where the drafter's tree grafts prompt lookups (`prompt_lookup`), our scheduler
-(`draftlab.vllm_lookup`), which drafts a copy from the request's text where it has a match.
+(`draftlab.vllm_scheduler`), which drafts a copy from the request's text where it has a match.
 
 Resolving on the replica (not in the builder) means every node downloads and exports for
 itself: no shared disk between the head that builds the app and the GPU nodes that serve it.
@@ -33,6 +33,7 @@ generate` and the builder import this module for its args.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import tempfile
@@ -69,18 +70,36 @@ class VllmServeArgs(ServingCommon):
     """The target (a preset, hub id or local HF dir); with `model_uri` its name comes from the
     drafter's config unless set. `dtype` is vLLM's; `device` must agree with `accelerator`."""
     speculation: Literal["on", "off"] = "on"
-    """`on`: P-EAGLE drafting (`parallel_drafting`) every step; `off`: target only (no drafter,
-    no MLflow lookup). vLLM has no per-request or load-dependent switch (`--engine draftlab` has)."""
+    """`on`: speculative decoding by `method`; `off`: target only (no drafter, no MLflow lookup).
+    Per request, `"vllm_xargs": {"draftlab_k": n}` caps a request's draft tokens (0 = target
+    only: `draftlab loadtest --speculation off`), and `schedule` sets them by batch size."""
+    method: Literal["drafter", "ngram", "suffix"] = "drafter"
+    """Who drafts: `drafter` = the draftlab drafter (P-EAGLE, `parallel_drafting`); `ngram` /
+    `suffix` = vLLM's own untrained prompt lookup / Arctic's suffix decoding (no drafter, no
+    MLflow lookup), deployed when the pipeline measured one of them fastest."""
+    ngram_min: int = Field(2, ge=1)
+    """`method: ngram`: shortest prompt n-gram matched."""
+    ngram_max: int = Field(4, ge=1)
+    """`method: ngram`: longest prompt n-gram matched."""
+    suffix_cached_requests: int = Field(0, ge=0)
+    """`method: suffix`: past responses its global suffix tree keeps (0 = the prompt's tree only,
+    as `draftlab bench` measures it)."""
+    schedule: list[tuple[int, int, int]] | None = None
+    """Draft tokens by batch size: inclusive `[first, last, k]` ranges starting at 1, k = 0 for no
+    drafting (vLLM's `num_speculative_tokens_per_batch_size`; the pipeline derives it from its
+    load levels, `draftlab.verdict`). None = the same k at every batch size. A parallel drafter
+    drafts its k or nothing (vLLM 0.29)."""
     prompt_lookup: Literal["tree", "on", "off"] = "tree"
-    """Prompt lookups merged into the drafter's drafts (`draftlab.vllm_lookup`: where the
+    """Prompt lookups merged into the drafter's drafts (`draftlab.vllm_scheduler`: where the
     request's text has an n-gram match, the tokens that followed it are drafted instead):
     `tree` = when the tree our engine serves the drafter with grafts them (`+ngram` in its
     `tree.json`), with that tree's settings; `on` = always (the tree's settings, else the
     defaults); `off` = the drafter alone. The copies are the lookups' `tokens` long and do not
     grow in vLLM, which then drafts that many tokens a step (or the drafter's, if more)."""
-    num_speculative_tokens: int | None = Field(None, ge=1, le=16)
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     """Draft tokens per step; None = the depth of the drafter's `tree.json` (the tree our engine
-    serves it with, picked from measured acceptance and costs), else its `k`."""
+    serves it with, picked from measured acceptance and costs), else its `k` (`ngram`: 4,
+    `suffix`: vLLM's default depth)."""
     export_dir: str | None = None
     """Where each replica writes the drafter in vLLM's layout; None = a new temporary directory."""
     accelerator: Literal["cpu", "gpu"] = "cpu"
@@ -123,6 +142,12 @@ class VllmServeArgs(ServingCommon):
         device = {"cpu": "cpu", "gpu": "cuda"}[self.accelerator]
         if self.target.device not in ("auto", device):
             raise ValueError(f"target.device {self.target.device!r} contradicts accelerator {self.accelerator!r}")
+        if self.schedule is not None:
+            ranges = sorted(self.schedule)
+            if not ranges or ranges[0][0] != 1 or any(a < 1 or b < a or n < 0 for a, b, n in ranges) or any(
+                    nxt[0] <= prev[1] for prev, nxt in itertools.pairwise(ranges)):
+                raise ValueError(f"schedule {self.schedule}: [first, last, k] ranges must start at batch size 1, "
+                                 "not overlap, have first <= last and k >= 0")
         if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
             raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
         if self.accelerator_type:
@@ -185,13 +210,18 @@ def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
 
     if args.speculation == "off":
         return vllm_target_dir(args.target), {}, {"speculation": "off"}
-    from draftlab.vllm_lookup import engine_kwargs  # noqa: PLC0415 -- torch: the LLMServer replica only (module docstring)
+    # torch: the LLMServer replica only (module docstring)
+    from draftlab.vllm_scheduler import builtin_config, engine_kwargs, with_schedule  # noqa: PLC0415
 
+    if args.method != "drafter":  # vLLM's own drafting: nothing to resolve
+        spec = builtin_config(args.method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                              args.suffix_cached_requests)
+        engine = engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0))
+        return vllm_target_dir(args.target), with_schedule(engine, args.schedule), {"method": args.method}
     pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
     model, k, lookups = vllm_drafter(pair.drafter, pair.target, args)
-    spec = vllm_speculative_config(model, k)
-    engine = engine_kwargs(lookups, spec, k) if lookups else {"speculative_config": spec}
-    return vllm_target_dir(pair.target), engine, pair.source
+    engine = engine_kwargs(lookups, vllm_speculative_config(model, k), k)
+    return vllm_target_dir(pair.target), with_schedule(engine, args.schedule), pair.source
 
 
 class ChampionCallback(CallbackBase):
