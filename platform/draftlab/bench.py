@@ -316,7 +316,8 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, sou
     v = cfg.vllm
     try:
         require_vllm()
-        builtin = {m: builtin_config(m.removeprefix("vllm_"), cfg.k, v.ngram_min, v.ngram_max, v.suffix_cached_requests)
+        builtin = {m: builtin_config(m.removeprefix("vllm_"), cfg.k if m == "vllm_ngram" else None, v.ngram_min,
+                                     v.ngram_max, v.suffix_cached_requests)
                    for m in ("vllm_ngram", "vllm_suffix") if m in asked}
     except ImportError as e:
         raise ConfigError(f"methods {asked}: {e}") from None
@@ -371,7 +372,8 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
     startup: dict[str, float] = {}
     methods = sum(len(e["methods"]) for e in plan.values())
     levels = [(c, _load_prompts_for(encoded, c, cfg.load_requests)) for c in cfg.concurrency]
-    bar = tqdm(total=methods * (len(encoded) + sum(len(ps) for _, ps in levels)), desc="bench vllm",
+    timed = sum(len(ps) for c, ps in levels if c > 1 or cfg.load_requests is not None)
+    bar = tqdm(total=methods * (len(encoded) + timed), desc="bench vllm",
                disable=not progress, unit="req")
     for name, engine in plan.items():
         bar.set_postfix_str(f"{name}: starting engine")
@@ -399,6 +401,12 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
                     bar.update()
             for c, prompts in levels:
                 for m, extra in engine["methods"].items():
+                    if c == 1 and cfg.load_requests is None:  # = the runs above: every prompt once, one at a time
+                        done = [r for _, r in runs[m]]
+                        secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
+                        load.setdefault(m, {})["1"] = {"tokens_per_s": sum(len(r.tokens) for r in done) / secs,
+                                                       "tau": spec.tau, "requests": len(done), "seconds": secs}
+                        continue
                     bar.set_postfix_str(f"{m} x{c}")
                     r = llm.generate_closed_loop(prompts, c, params.max_new_tokens, temperature=params.temperature,
                                                  extra_args=extra)

@@ -37,7 +37,8 @@ SWEEP_COLUMNS = ("trial", "family", "k", "depth", "tree", "tree_nodes", "tau", "
                  "draft_ms", "verify_ms", "drafter_parameters", "train_steps", "greedy_identical")
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
-table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:14px}
+table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:14px;max-width:100%}
+td,th{overflow-wrap:anywhere}
 th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}
 td:first-child,th:first-child{text-align:left}
 .note{background:#fff6e0;border-left:4px solid #e0a000;padding:.5em 1em}
@@ -126,12 +127,15 @@ def build(inputs: dict, label: str, plots: Path) -> tuple[str, list[tuple]]:
         ("The bench report (bench.json)", bench, "per-category speedups, HF comparison or per-position acceptance"),
         ("The cost profile (profile.json)", prof, "t_target(n) table or drafter costs"),
     ) if not have]
-    blocks: list[tuple] = [("table", ("field", "value"), _header_rows(inputs, label))]
+    verdict = (bench or {}).get("verdict")
+    blocks: list[tuple] = _verdict(bench, plots) if verdict else []  # the first screen: what won, where
+    blocks += [("h2", "Run")] if verdict else []
+    blocks.append(("table", ("field", "value"), _header_rows(inputs, label)))
     blocks += [("note", m) for m in missing]
     blocks += _champion(pipe, sweep)
     if sweep:
         blocks += _sweep(sweep, inputs["sweep_dir"], plots)
-    if bench or (sweep and _best(sweep).get("tau_by_category")):
+    if not verdict and (bench or (sweep and _best(sweep).get("tau_by_category"))):
         blocks += _categories(bench, sweep)
     if bench:
         blocks += _comparison(bench) + _acceptance(bench)
@@ -140,6 +144,46 @@ def build(inputs: dict, label: str, plots: Path) -> tuple[str, list[tuple]]:
     if inputs["training"]:
         blocks += _training(inputs["training"], plots)
     return f"draftlab report: {what}", blocks
+
+
+def _verdict(bench: dict, plots: Path) -> list[tuple]:
+    """The served configuration against every contender in the deploy engine: speedup vs
+    vllm_ar at each load level and per prompt kind (one request at a time), and the
+    speedup-vs-concurrency plot."""
+    v, methods, load = bench["verdict"], bench["methods"], bench.get("load") or {}
+    contenders = [m for m in methods if m.startswith("vllm_")]
+    levels = sorted({int(c) for rows in load.values() for c in rows})
+    blocks: list[tuple] = [("h2", f"Verdict: deploy {v['served']}"), ("p", v["reason"] + "."),
+                           ("table", ("deploy setting", "value"), [[k, val] for k, val in v["deploy"].items()])]
+    if levels:
+        rows = [[m + (" (served)" if m == v["served"] else ""),
+                 *(_speedup((load.get(m, {}).get(str(c)) or {}).get("speedup_vs_vllm_ar"), 1.0) for c in levels)]
+                for m in contenders]
+        blocks += [("p", f"Output tokens/s against vLLM target-only (vllm_ar) with that many requests in flight "
+                         f"(closed loop, {bench['prompts']} prompts cycled). The served configuration drafts only at "
+                         "the loads where it won: its batch-size schedule is in the deploy settings."),
+                   ("table", ("contender", *(f"{c} in flight" for c in levels)), rows)]
+    kinds = sorted({cat for m in contenders for cat in methods[m].get("by_category", {})})
+    rows = [[cat, *(_speedup(methods[m]["by_category"].get(cat, {}).get("speedup_vs_vllm_ar"), 1.0)
+                    for m in contenders)] for cat in kinds]
+    blocks += [("p", "Per prompt kind, one request at a time, against vllm_ar:"),
+               ("table", ("kind", *(m.removeprefix("vllm_") for m in contenders)), rows)]
+    if len(levels) > 1:
+        blocks.append(("img", _load_plot(load, contenders, levels, v["served"], plots / "speedup_vs_concurrency.png"),
+                       "speedup vs concurrency (x vllm_ar)"))
+    return blocks
+
+
+def _load_plot(load: dict, contenders: list[str], levels: list[int], served: str, path: Path) -> Path:
+    plt, fig, ax = figure()
+    for m in contenders:
+        ys = [(load.get(m, {}).get(str(c)) or {}).get("speedup_vs_vllm_ar") for c in levels]
+        ax.plot(levels, ys, marker="o", label=m, linewidth=3 if m == served else 1.2)
+    ax.axhline(1.0, color="#888", linestyle="--", linewidth=1)
+    ax.set(xscale="log", xlabel="requests in flight", ylabel="output tokens/s / vllm_ar's", xticks=levels)
+    ax.set_xticklabels([str(c) for c in levels])
+    ax.minorticks_off()
+    return finish(plt, fig, [ax], path)
 
 
 def _header_rows(inputs: dict, label: str) -> list[list]:

@@ -40,8 +40,10 @@ def test_the_champion_is_exported_for_vllm(target, tmp_path):
     args = VllmServeArgs(target={"name": TARGET}, tracking_uri=uri, export_dir=str(tmp_path / "export"))
     model, engine, source = resolve_engine(args)  # models:/draftlab-tiny-llama-vllm-drafter@champion
     assert model == vllm_target_dir(TARGET) and source["version"] == champ["version"]
-    assert engine == {"speculative_config": {"method": "eagle3", "model": str(tmp_path / "export"),
-                                             "num_speculative_tokens": 3, "parallel_drafting": True}}  # K = its k
+    assert engine["speculative_config"] == {"method": "eagle3", "model": str(tmp_path / "export"),
+                                            "num_speculative_tokens": 3, "parallel_drafting": True}  # K = its k
+    # our scheduler, for per-request draft lengths (`draftlab_k`), without lookups
+    assert engine["scheduler_cls"] == SCHEDULER and engine["additional_config"][LOOKUP_KEY]["spec"] is None
     assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
 
     # an export (or any EAGLE-3 checkpoint) is served as it is; it has no draftlab k, so K is given
@@ -96,9 +98,31 @@ def test_prompt_lookups_are_merged_where_the_served_tree_grafts_them(target, tmp
     deep = engine_kwargs(NgramSpec(tokens=3), engine["speculative_config"], 4)
     assert deep["speculative_config"]["num_speculative_tokens"] == 4
     off = resolve_engine(args.model_copy(update={"prompt_lookup": "off"}))[1]
-    assert set(off) == {"speculative_config"} and off["speculative_config"]["num_speculative_tokens"] == 2
-
+    assert off["additional_config"][LOOKUP_KEY]["spec"] is None and off["speculative_config"]["num_speculative_tokens"] == 2
     (saved / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0]]}))  # a tree without lookups
     assert vllm_drafter(str(saved), args.target, args)[2] is None
     on = args.model_copy(update={"prompt_lookup": "on"})
     assert vllm_drafter(str(saved), args.target, on)[2] == NgramSpec()  # the defaults
+
+
+def test_vllms_own_drafting_is_deployed_without_a_drafter_and_with_a_schedule(tmp_path):
+    """`method: ngram|suffix` (what the pipeline deploys when one of them won): no MLflow, no
+    drafter; the batch-size schedule lands in vLLM's speculative config."""
+    sched = [(1, 2, 4), (3, 1024, 0)]
+    args = VllmServeArgs(target={"name": TARGET}, method="ngram", ngram_min=1, ngram_max=3, schedule=sched,
+                         tracking_uri="sqlite:////nonexistent/never-read.db")
+    model, engine, source = resolve_engine(args)
+    assert model == vllm_target_dir(TARGET) and source == {"method": "ngram"}
+    assert engine["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                            "prompt_lookup_max": 3, "num_speculative_tokens_per_batch_size": sched}
+    assert engine["scheduler_cls"] == SCHEDULER  # `draftlab_k` per request works here too
+    suffix = resolve_engine(args.model_copy(update={"method": "suffix", "num_speculative_tokens": None}))[1]
+    assert suffix["speculative_config"]["method"] == "suffix"
+    assert suffix["speculative_config"]["suffix_decoding_max_cached_requests"] == 0
+    assert "num_speculative_tokens" not in suffix["speculative_config"]  # vLLM's own default depth
+
+
+@pytest.mark.parametrize("schedule", [[(2, 8, 3)], [(1, 4, 3), (4, 8, 0)], [(1, 4, -1)], [(1, 0, 2)]])
+def test_a_bad_schedule_is_refused(schedule):
+    with pytest.raises(ValidationError, match="ranges must start at batch size 1"):
+        VllmServeArgs(schedule=schedule)

@@ -1,18 +1,23 @@
 """Benchmark prompt files: JSON lines of `{"prompt": ...}`, a multi-turn chat
 `{"messages": [{"role": "user", "content": ..}, {"role": "assistant", ..}, ..]}` (OpenAI
 format, ending with a user turn), or Spec-Bench questions (`{"question_id": .., "category":
-.., "turns": [..]}`, first turn used). Packaged sets: `default` (12 short prompts, 12
-categories) and `heldout` (long summaries and RAG contexts, translation, math, QA,
-multi-turn chat: prompts of other kinds and lengths than anything drafters are tuned on)."""
+.., "turns": [..]}`, first turn used), or the same rows from a `datasets` source
+(`datasets:<name or local file/dir>[:<split>]`, e.g. `datasets:./traffic.parquet:train`).
+Packaged sets: `default` (12 short prompts, 12 categories), `heldout` (long summaries and RAG
+contexts, translation, math, QA, multi-turn chat: prompts of other kinds and lengths than
+anything drafters are tuned on) and `mixed` (both, one prompt of each kind in turn: the pipeline's default traffic)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT_SETS = Path(__file__).parent / "prompt_sets"
 DEFAULT_PROMPTS = PROMPT_SETS / "default.jsonl"
+MIXED = ("default", "heldout")  # the packaged `mixed` set: these sets, in turn
+DATASETS = "datasets:"
 ROLES = ("system", "user", "assistant")
 
 
@@ -66,11 +71,48 @@ def _parse(row: object, where: str) -> Prompt:
 
 
 def available_prompt_sets() -> list[str]:
-    return sorted(p.stem for p in PROMPT_SETS.glob("*.jsonl"))
+    return sorted([p.stem for p in PROMPT_SETS.glob("*.jsonl")] + ["mixed"])
+
+
+def _from_datasets(source: str, limit: int | None) -> list[Prompt]:
+    """Prompts from a `datasets` source: `datasets:<name or path>[:<split>]` (default split: train)."""
+    import datasets  # noqa: PLC0415 -- heavy; only for this source
+
+    spec = source.removeprefix(DATASETS)
+    name, _, split = spec.rpartition(":") if spec.count(":") and not Path(spec).exists() else (spec, "", "")
+    name, split = name or spec, split or "train"
+    local = Path(name)
+    try:
+        if local.is_file():  # a local file: datasets' builder by extension
+            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(local.suffix)
+            if kind is None:
+                raise ValueError(f"unknown file type {local.suffix!r} (jsonl, json, parquet, csv)")
+            ds = datasets.load_dataset(kind, data_files=str(local), split=split)
+        elif local.is_dir() and (local / "dataset_info.json").is_file():  # `save_to_disk` output of one split
+            ds = datasets.load_from_disk(str(local))
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot read this source"
+        raise ValueError(f"prompts {source!r}: cannot load it with datasets ({type(e).__name__}: {e})") from None
+    rows = ds.select(range(min(limit, len(ds)))) if limit else ds
+    # a table has every column in every row: a None is a column this row does not use
+    out = [_parse({k: v for k, v in row.items() if v is not None}, f"{source}[{i}]") for i, row in enumerate(rows)]
+    if not out:
+        raise ValueError(f"prompts {source!r}: no rows")
+    return out
 
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
-    """Read a prompt file or a packaged set by name (None = `default`); errors name file and line."""
+    """Read a prompt file, a packaged set by name (None = `default`) or a `datasets:` source;
+    errors name file and line."""
+    if str(path) == "mixed":  # kind by kind in turn: any first N covers as many kinds as N allows
+        by_kind: dict[str, list[Prompt]] = {}
+        for p in (p for name in MIXED for p in load_prompts(name)):
+            by_kind.setdefault(p.category, []).append(p)
+        rounds = itertools.zip_longest(*by_kind.values())
+        return [p for r in rounds for p in r if p is not None][:limit]
+    if str(path or "").startswith(DATASETS):
+        return _from_datasets(str(path), limit)
     path = Path(path) if path else DEFAULT_PROMPTS
     if not path.is_file() and (PROMPT_SETS / f"{path}.jsonl").is_file():
         path = PROMPT_SETS / f"{path}.jsonl"

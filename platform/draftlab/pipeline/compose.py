@@ -21,7 +21,6 @@ from pydantic import ValidationError
 from draftlab.config import (
     ConfigError,
     DistillConfig,
-    ServeArgs,
     apply_dotted,
     format_validation_error,
     load_yaml,
@@ -67,21 +66,28 @@ class Pipeline:
     sweep: SweepConfig | None  # None = promote the baseline
     trial_base: dict | None  # the sweep trials' base DistillConfig (a dict), under the pipeline's experiment
     serve: dict  # `load_serve_config` of serve.config with the pipeline's host and port
+    serve_vllm: dict | None  # the same of serve.vllm_config (deployed when the compare stage measured in vLLM)
 
     def sweep_base(self, parent_run_id: str | None) -> dict:
         """The sweep's base DistillConfig dict, its runs nested under `parent_run_id`."""
         return _with_tracking(copy.deepcopy(self.trial_base), parent_run_id=parent_run_id)
 
-    def serve_spec(self, model_uri: str, tracking_uri: str) -> dict:
+    def serve_spec(self, model_uri: str, tracking_uri: str, deploy: dict | None = None) -> dict:
         """The Serve spec with the champion (`model_uri` in `tracking_uri`'s registry) and,
-        on top, `serve.overrides`."""
-        data = apply_dotted(self.serve["args"].model_dump(exclude_unset=True),
-                            {"model_uri": model_uri, "tracking_uri": tracking_uri} | dotted(self.cfg.serve.overrides))
+        on top, `serve.overrides`. `deploy` (the compare stage's vLLM verdict: method, k,
+        lookups, schedule) selects `serve.vllm_config` and is set on it."""
+        spec = self.serve if deploy is None else self.serve_vllm
+        if spec is None:
+            raise ConfigError(f"{self.source}: the compare stage measured in vLLM but compare.engine is draftlab")
+        model = type(spec["args"])
+        data = apply_dotted(spec["args"].model_dump(exclude_unset=True),
+                            {"model_uri": model_uri, "tracking_uri": tracking_uri} | dotted(self.cfg.serve.overrides)
+                            | (deploy or {}))
         try:
-            args = ServeArgs.model_validate(data)
+            args = model.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, f"{self.source}: serve.overrides", ServeArgs)) from None
-        return self.serve | {"args": args}
+            raise ConfigError(format_validation_error(e, f"{self.source}: serve.overrides", model)) from None
+        return spec | {"args": args}
 
 
 def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
@@ -106,8 +112,10 @@ def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
     if sweep is not None:  # checks every point of the space against the base
         trial_base = _with_tracking(sweep_base(sweep, distill_doc, distill_file, f"{source}: sweep"),
                                     experiment=cfg.experiment)
-    serve = load_serve_config(serve_file)
-    serve |= {k: v for k, v in {"host": cfg.serve.host, "port": cfg.serve.port}.items() if v is not None}
-    pipeline = Pipeline(cfg, source, distill, sweep, trial_base, serve)
+    http = {k: v for k, v in {"host": cfg.serve.host, "port": cfg.serve.port}.items() if v is not None}
+    serve = load_serve_config(serve_file) | http
+    serve_vllm = None if cfg.compare.engine == "draftlab" else (
+        load_serve_config(_find(cfg.serve.vllm_config, source, "serve.vllm_config")) | http)
+    pipeline = Pipeline(cfg, source, distill, sweep, trial_base, serve, serve_vllm)
     pipeline.serve_spec("models:/check@champion", "sqlite:///check.db")  # checks the overrides
     return pipeline

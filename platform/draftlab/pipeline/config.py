@@ -10,11 +10,11 @@ runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
-from draftlab.config import StrictModel
+from draftlab.config import StrictModel, VllmBenchSpec
 from draftlab.sweep.space import AshaSpec, SearchSpec
 
 
@@ -36,14 +36,35 @@ class SweepStage(StrictModel):
     """Retries of a crashed trial."""
 
 
-class CompareStage(StrictModel):
-    """The champion against target-only decoding, HF `generate` and HF prompt lookup,
-    side by side in one bench run, plus this hardware's cost profile."""
+VLLM_CONTENDERS = ["vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]
 
+
+class CompareStage(StrictModel):
+    """Where the champion is measured against its contenders, side by side in one bench run on
+    the pipeline's `prompts`, plus this hardware's cost profile. With vLLM (the deploy engine):
+    vLLM target-only, vLLM's n-gram and suffix drafting, the drafter at each k and with lookups,
+    one request at a time and under load; the fastest becomes the served configuration (with a
+    batch-size schedule of draft tokens) and the serve stage deploys it with vLLM. Without
+    vLLM: our engine's champion against target-only, HF `generate` and HF prompt lookup."""
+
+    engine: Literal["auto", "vllm", "draftlab"] = "auto"
+    """Where contenders are measured and the winner deployed: `auto` = vLLM when installed."""
     methods: list[str] = Field(default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_tree"])
-    """Bench methods (`draftlab_tree` = the champion with its own tree)."""
+    """Bench methods without vLLM (`draftlab_tree` = the champion with its own tree)."""
+    vllm_methods: list[str] = Field(default_factory=lambda: list(VLLM_CONTENDERS))
+    """vLLM contenders (`vllm_suffix` is left out, and the stage says so, when arctic-inference
+    is not installed); our `ar` runs beside them as the exact reference."""
+    each_k: bool = True
+    """With vLLM: also measure the drafter at every k below its draft length (`vllm_draftlab@k<n>`)."""
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    """With vLLM: load levels (requests in flight) each contender is measured at; the served
+    configuration drafts only at the levels where it beat vLLM target-only."""
+    load_requests: int | None = Field(None, ge=1)
+    """Requests per load level; None = max(prompts, 2 x level)."""
+    vllm: VllmBenchSpec = Field(default_factory=VllmBenchSpec)
+    """vLLM engine settings of the contenders."""
     limit: int | None = Field(5, ge=1)
-    """First N packaged prompts (None = all)."""
+    """First N of the pipeline's prompts (None = all)."""
     max_new_tokens: int = Field(96, ge=1)
     """New tokens per prompt."""
     profile_repeats: int = Field(3, ge=1)
@@ -54,8 +75,11 @@ class ServeStage(StrictModel):
     """Deploy the champion on the cluster (it stays up after the pipeline)."""
 
     config: str = "../../serving/smollm2-135m.yaml"
-    """Serve config file (relative to the pipeline file or the cwd); its model_uri is replaced
-    by the champion's."""
+    """Serve config file of our engine (relative to the pipeline file or the cwd); its model_uri
+    is replaced by the champion's."""
+    vllm_config: str = "../../serving/smollm2-135m-vllm.yaml"
+    """Serve config file used when the compare stage measured in vLLM: the verdict's
+    configuration (method, k, lookups, batch-size schedule) is set on it."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Dotted ServeArgs fields, e.g. autoscaling.max_replicas: 1."""
     host: str | None = None
@@ -87,8 +111,13 @@ class PipelineConfig(StrictModel):
     """Dotted DistillConfig fields for the baseline and every sweep trial."""
     sweep: SweepStage | None = Field(default_factory=SweepStage)
     """The sweep; None = promote the baseline."""
+    prompts: str = "mixed"
+    """The evaluation traffic the compare stage measures on, reported per kind: a JSONL file
+    (`{"prompt"}`, chat `{"messages"}` or Spec-Bench `{"turns"}`, with `category`), a
+    `datasets:<name or file>[:<split>]` source, or a packaged set (`mixed` = `default` +
+    `heldout`: short prompts of 12 kinds, long summaries and RAG, translation, math, QA, chat)."""
     compare: CompareStage = Field(default_factory=CompareStage)
-    """Champion vs baselines."""
+    """Champion vs contenders."""
     serve: ServeStage = Field(default_factory=ServeStage)
     """The endpoint."""
     smoke: SmokeStage = Field(default_factory=SmokeStage)

@@ -86,10 +86,11 @@ STAGES = [
           _exists("drafter_dir")),
     Stage("sweep", stages.sweep, _sweep_inputs, _exists("experiment_dir")),
     Stage("promote", stages.promote, stages.candidates, stages.champion_is_current),
-    Stage("compare", stages.compare, lambda r: [r.p.cfg.compare.model_dump(), r.outputs["promote"]["version"]],
+    Stage("compare", stages.compare, lambda r: [r.p.cfg.compare.model_dump(), r.p.cfg.prompts,
+                                                r.outputs["promote"]["version"]],
           lambda r, o: (r.dir / "bench.json").is_file()),
-    Stage("serve", stages.serve, lambda r: [r.p.serve_spec(r.outputs["promote"]["model_uri"], r.tracking_uri)["args"]
-                                            .model_dump(mode="json"), r.outputs["promote"]["version"]], stages.serving),
+    Stage("serve", stages.serve, lambda r: [stages.serve_spec(r)["args"].model_dump(mode="json"),
+                                            r.outputs["promote"]["version"]], stages.serving),
     Stage("smoke", stages.smoke, lambda r: None, always=True),
     Stage("report", stages.report, lambda r: [r.outputs["promote"], r.outputs["compare"], r.outputs.get("sweep")],
           _exists("html")),
@@ -285,6 +286,17 @@ def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool
     return summary
 
 
+def _verdict_lines(cmp: dict) -> list[str]:
+    """What the compare stage chose to deploy (vLLM), per load level."""
+    v = cmp.get("verdict")
+    if not v:
+        return []
+    levels = ", ".join(f"{r['concurrency']}: {r['tokens_per_s']:.1f} vs {r['vllm_ar_tokens_per_s']:.1f} tok/s"
+                       f" ({'drafts' if r['drafts'] else 'no drafting'})" for r in v["levels"])
+    return [f"deployed: {v['served']} {v['deploy']}", f"  {v['reason']}"] + (
+        [f"  under load (in flight: served vs vllm_ar): {levels}"] if levels else [])
+
+
 def format_summary(s: dict) -> str:
     """The final summary: stages, champion, figures, endpoint, where to look."""
     lines = [f"pipeline {s['name']}: stages"]
@@ -295,9 +307,11 @@ def format_summary(s: dict) -> str:
     lines += [
         f"champion: {c['model']} version {c['version']} @{c['alias']} (from the {c['source']}): "
         f"{c['family']} drafter K={c['k']} depth={c['depth']} tree={c['tree']}",
-        f"  measured on {cmp['prompts']} prompts ({cmp['device']}): tau {cmp['tau']:.2f}, "
-        + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in cmp.items() if k.startswith("speedup_vs_"))
+        f"  measured in {cmp.get('engine', 'draftlab')} on {cmp['prompts']} prompts ({cmp['device']}): "
+        f"{cmp['method']} tau {cmp['tau']:.2f}, "
+        + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in cmp.items() if k.startswith("speedup_vs_") and v)
         + f", greedy output identical to the target's: {cmp['greedy_identical']}",
+        *_verdict_lines(cmp),
         f"endpoint: {ep['url']} (model {ep['model']!r})",
         "  " + example_curl(ep["url"].removesuffix("/v1"), ep["model"], False),
         "  python: from openai import OpenAI; "

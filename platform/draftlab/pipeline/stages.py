@@ -22,12 +22,15 @@ from draftlab.config import BenchConfig, ConfigError, ProfileConfig, ServeArgs
 from draftlab.data.selfdistill import load_or_generate
 from draftlab.distill.launch import registered_name, run_distill
 from draftlab.errors import DraftlabError
+from draftlab.export import served_draft_length
 from draftlab.profiling import run_profile
 from draftlab.report import write_report
 from draftlab.serve.control import deploy
 from draftlab.serve.pair import resolve_pair
 from draftlab.sweep.runner import STATE_FILE, resume_sweep, start_sweep
 from draftlab.tracking import promote as promote_run
+from draftlab.vllm_offline import INSTALL_HINT, require_vllm
+from draftlab.vllm_scheduler import require_arctic
 
 if TYPE_CHECKING:
     from draftlab.pipeline.runner import PipelineRun
@@ -103,39 +106,85 @@ def champion_is_current(run: PipelineRun, outputs: dict) -> bool:
     return str(mv.version) == outputs["version"]
 
 
-def _compare_task(bench: dict, profile: dict, model_uri: str, tracking_uri: str) -> tuple[dict, dict]:
+def _compare_task(bench: dict, profile: dict, model_uri: str, tracking_uri: str, each_k: bool) -> tuple[dict, dict]:
     """On a worker with the training's resources: the champion as served, side by side."""
     pair = resolve_pair(ServeArgs(model_uri=model_uri, tracking_uri=tracking_uri, target=bench["target"]))
-    report = run_bench(BenchConfig.model_validate(bench | {"drafter": pair.drafter}), progress=False)
+    cfg = BenchConfig.model_validate(bench | {"drafter": pair.drafter})
+    if each_k and "vllm_draftlab" in cfg.methods:  # every k below the one it is served with
+        k = served_draft_length(pair.drafter)
+        cfg = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={"draft_lengths": list(range(1, k))})})
+    report = run_bench(cfg, progress=False)
     return report, run_profile(ProfileConfig.model_validate(profile))
+
+
+def compare_engine(c) -> tuple[str, list[str], str | None]:
+    """(the engine the compare stage measures in, its vLLM contenders, a note on what was left
+    out) for `compare.engine`."""
+    if c.engine == "draftlab":
+        return "draftlab", [], None
+    try:
+        require_vllm()
+    except ImportError as e:
+        if c.engine == "vllm":
+            raise ConfigError(f"compare.engine: vllm: {e}") from None
+        return "draftlab", [], f"vLLM is not installed: measured and deployed in draftlab's engine ({INSTALL_HINT})"
+    methods, note = list(c.vllm_methods), None
+    if "vllm_suffix" in methods:
+        try:
+            require_arctic()
+        except ImportError as e:
+            methods.remove("vllm_suffix")
+            note = f"vllm_suffix left out: {e}"
+    return "vllm", methods, note
 
 
 def compare(run: PipelineRun) -> dict:
     cfg, c, champ = run.p.distill, run.p.cfg.compare, run.outputs["promote"]
-    bench = BenchConfig(target=cfg.target, drafter=None, limit=c.limit, max_new_tokens=c.max_new_tokens,
-                        methods=c.methods).model_dump(mode="json")
+    engine, contenders, note = compare_engine(c)
+    if note and run.progress:
+        print(f"compare: {note}", flush=True)
+    methods = ["ar", *contenders] if engine == "vllm" else c.methods
+    bench = BenchConfig(target=cfg.target, drafter=None, prompts=run.p.cfg.prompts, limit=c.limit,
+                        max_new_tokens=c.max_new_tokens, methods=methods, vllm=c.vllm,
+                        concurrency=c.concurrency if engine == "vllm" else [],
+                        load_requests=c.load_requests).model_dump(mode="json")
     profile = ProfileConfig(target=cfg.target, new_tokens=[1, 2, 4, 8, 16], depths=[champ["depth"]], ks=[champ["k"]],
                             repeats=c.profile_repeats).model_dump(mode="json")
     sc = cfg.scaling
     task = ray.remote(_compare_task).options(num_cpus=sc.cpus_per_worker, num_gpus=1 if sc.use_gpu else 0)
-    report, prof = ray.get(task.remote(bench, profile, champ["model_uri"], run.tracking_uri))
+    report, prof = ray.get(task.remote(bench, profile, champ["model_uri"], run.tracking_uri, c.each_k))
     for name, obj in (("bench.json", report), ("profile.json", prof)):
         (run.dir / name).write_text(json.dumps(obj, indent=2) + "\n")
         run.parent.log_dict(obj, name)
     m = report["methods"]
+    common = {"engine": engine, "note": note, "device": report["device"], "prompts": report["prompts"],
+              "prompt_set": run.p.cfg.prompts, "greedy_identical": report["greedy_identical"]}
+    if engine == "vllm":
+        v = report["verdict"]
+        v["deploy"]["target.dtype"] = report["vllm"]["dtype"]  # served as measured (float32 on CPUs without bf16)
+        return common | {"method": v["served"], "tau": m[v["served"]]["tau"],
+                         "tokens_per_s": m[v["served"]]["tokens_per_s"], "speedup_vs_vllm_ar": v["speedup_vs_vllm_ar"],
+                         "speedup_vs_ar": m[v["served"]]["speedup_vs_ar"], "verdict": v,
+                         "greedy_identical": report["vllm_greedy_identical"],
+                         "greedy_mismatches": report["vllm_greedy_mismatches"]}
     spec = "draftlab_tree" if "draftlab_tree" in m else next((k for k in m if k.startswith("draftlab_")), None)
     if spec is None:
         raise ConfigError("compare.methods must include draftlab_tree or draftlab_chain (the champion)")
     ratio = {f"speedup_vs_{b}": m[spec]["tokens_per_s"] / m[b]["tokens_per_s"] for b in ("ar", "hf_generate",
              "hf_prompt_lookup") if b in m and m[b]["tokens_per_s"]}
-    return {"method": spec, "tau": m[spec]["tau"], "tokens_per_s": m[spec]["tokens_per_s"], **ratio,
-            "greedy_identical": report["greedy_identical"], "device": report["device"], "prompts": report["prompts"]}
+    return common | {"method": spec, "tau": m[spec]["tau"], "tokens_per_s": m[spec]["tokens_per_s"], **ratio}
+
+
+def serve_spec(run: PipelineRun) -> dict:
+    """The Serve spec the serve stage deploys: the champion in our engine, or the compare
+    stage's vLLM verdict (which may be a built-in method, or target-only)."""
+    cmp = run.outputs.get("compare") or {}
+    deploy = cmp["verdict"]["deploy"] if cmp.get("engine") == "vllm" else None
+    return run.p.serve_spec(run.outputs["promote"]["model_uri"], run.tracking_uri, deploy)
 
 
 def serve(run: PipelineRun) -> dict:
-    champ = run.outputs["promote"]
-    return deploy(run.p.serve_spec(champ["model_uri"], run.tracking_uri), blocking=False, progress=run.progress) \
-        | {"version": champ["version"]}
+    return deploy(serve_spec(run), blocking=False, progress=run.progress) | {"version": run.outputs["promote"]["version"]}
 
 
 def serving(run: PipelineRun, outputs: dict) -> bool:
@@ -153,7 +202,7 @@ def smoke(run: PipelineRun) -> dict:
     ep, s = run.outputs["serve"], run.p.cfg.smoke
     body = {"model": ep["model"], "messages": [{"role": "user", "content": s.prompt}], "max_tokens": s.max_tokens,
             "temperature": 0}
-    keys = run.p.serve_spec(run.outputs["promote"]["model_uri"], run.tracking_uri)["args"].accepted_keys()
+    keys = serve_spec(run)["args"].accepted_keys()
     headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     t0 = time.perf_counter()
     try:

@@ -96,7 +96,7 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     from draftlab.serve.vllm_app import VllmServeArgs  # noqa: PLC0415 -- it imports Ray Serve: see the module docstring
 
     vllm = isinstance(spec["args"], VllmServeArgs)  # Ray Serve LLM's app: no `info` method
-    if spec["args"].drafter is None and not (vllm and spec["args"].speculation == "off"):
+    if spec["args"].drafter is None and not (vllm and (spec["args"].speculation == "off" or spec["args"].method != "drafter")):
         model_version(spec["args"])  # fail here, clearly, rather than in every replica's constructor
     owns = connect(start_local=True)
     serve.start(http_options={"host": spec["host"], "port": spec["port"]})
