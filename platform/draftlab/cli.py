@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pipeline", help="the whole loop: data, distill, sweep, promote, compare, serve, smoke, report")
     pl.add_argument("-c", "--config", default=None, help="pipeline YAML (see jobs/configs/pipeline-*.yaml)")
     pl.add_argument("--quick", action="store_true", help=f"a few-minute look on a tiny random target ({QUICK})")
+    pl.add_argument("--prompts", default=None, help="the traffic the compare stage measures on (= prompts=...): "
+                    "a JSONL file, datasets:<name or file>[:split], or a packaged set (mixed, default, heldout)")
     pl.add_argument("--json", dest="json_out", default=None, help="also write the summary here")
     pl.add_argument("--quiet", action="store_true", help="no progress output")
     pl.add_argument("overrides", nargs="*", help="dotted overrides of the pipeline file, e.g. sweep.trees=[chain]")
@@ -356,7 +358,8 @@ def _pipeline(a: argparse.Namespace) -> None:
 
     if bool(a.config) == a.quick:
         raise ConfigError("give exactly one of -c PIPELINE.yaml or --quick")
-    summary = run_pipeline(a.config or QUICK, parse_overrides(a.overrides), progress=not a.quiet)
+    overrides = parse_overrides(a.overrides) | ({"prompts": a.prompts} if a.prompts else {})
+    summary = run_pipeline(a.config or QUICK, overrides, progress=not a.quiet)
     print(format_summary(summary))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")

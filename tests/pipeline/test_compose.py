@@ -117,3 +117,46 @@ def test_bad_pipeline_files_name_the_file_and_field(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_pipeline(path)
         assert str(path) in str(e.value) and expected in str(e.value), (name, str(e.value))
+
+
+def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
+    """The compare stage's verdict (method, k, lookups, schedule, dtype) lands on
+    `serve.vllm_config`'s args (VllmServeArgs) with the pipeline's serve overrides; without a
+    verdict our engine's config is deployed; a bad verdict field names the config."""
+    from draftlab.serve.vllm_app import VllmServeArgs
+
+    p = load_pipeline(ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml")
+    deploy = {"speculation": "on", "method": "suffix", "num_speculative_tokens": None, "suffix_cached_requests": 0,
+              "schedule": [[1, 8, 24], [9, 1024, 0]], "target.dtype": "float32"}
+    spec = p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy)
+    args = spec["args"]
+    assert isinstance(args, VllmServeArgs) and spec["name"] == "draftlab-vllm"
+    assert (args.method, args.schedule, args.target.dtype) == ("suffix", [(1, 8, 24), (9, 1024, 0)], "float32")
+    assert args.model_uri == "models:/d@champion" and args.autoscaling.max_replicas == 1  # serve.overrides
+    assert type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
+    with pytest.raises(ConfigError, match="schedule"):
+        p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy | {"schedule": [[2, 8, 3]]})
+    tiny = load_pipeline(ROOT / "jobs/configs/pipeline-tiny-quick.yaml")  # compare.engine: draftlab
+    assert tiny.serve_vllm is None
+    with pytest.raises(ConfigError, match="compare.engine is draftlab"):
+        tiny.serve_spec("models:/d@champion", "sqlite:///m.db", deploy)
+
+
+def test_compare_engine_falls_back_to_ours_without_vllm_and_says_why(monkeypatch):
+    from draftlab.pipeline import stages
+    from draftlab.pipeline.config import CompareStage
+
+    def missing():
+        raise ImportError("No module named 'vllm'")
+
+    assert stages.compare_engine(CompareStage(engine="draftlab")) == ("draftlab", [], None)
+    monkeypatch.setattr(stages, "require_vllm", missing)
+    engine, methods, note = stages.compare_engine(CompareStage())
+    assert (engine, methods) == ("draftlab", []) and "vLLM is not installed" in note
+    with pytest.raises(ConfigError, match="compare.engine: vllm: No module named 'vllm'"):
+        stages.compare_engine(CompareStage(engine="vllm"))
+    monkeypatch.setattr(stages, "require_vllm", lambda: "0.29.0")
+    monkeypatch.setattr(stages, "require_arctic", lambda: (_ for _ in ()).throw(ImportError("no arctic")))
+    engine, methods, note = stages.compare_engine(CompareStage())
+    assert engine == "vllm" and "vllm_suffix" not in methods and "vllm_draftlab" in methods
+    assert note == "vllm_suffix left out: no arctic"

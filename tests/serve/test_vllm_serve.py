@@ -27,11 +27,13 @@ from serve_support import local_serve, report  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TARGET, MODEL, KEY, K = "tiny-llama-vllm", "tiny-vllm", "test-key", 3
 startup_s: list[float] = []
+SCHEDULE = [(1, 2, 16), (3, 64, 0)]  # drafting with 1-2 requests in flight, none from 3 (16: vLLM caps it at its K)
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     args = VllmServeArgs(target={"name": TARGET}, drafter="init:p-eagle", num_speculative_tokens=K, prompt_lookup="on",
+                         schedule=SCHEDULE,
                          export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"), served_model_name=MODEL,
                          api_keys=[KEY], max_model_len=512, gpu_memory_utilization=0.05, enforce_eager=True,
                          # an explicit KV cache size: with only a share of RAM, vLLM subtracts the worker's
@@ -62,6 +64,22 @@ def test_engine_drafts_with_the_parallel_drafter_and_prompt_lookups(base_url):
     assert engine["scheduler_cls"] == SCHEDULER and lookups["draft_tokens"] == K  # the drafter's K where no copy
     assert spec["num_speculative_tokens"] == NgramSpec().tokens > K  # room for a copy, which does not grow in vLLM
     assert lookups["spec"]["grow_to"] == NgramSpec().tokens
+    assert [tuple(r) for r in spec["num_speculative_tokens_per_batch_size"]] == SCHEDULE  # accepted by vLLM
+
+
+def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_server(base_url):
+    """`--speculation server,off`: `off` sends `vllm_xargs: {draftlab_k: 0}`, which our scheduler
+    in vLLM's engine core honours (tests/test_vllm_bench.py counts the drafts); here: vLLM takes
+    it, at every level, and greedy output is the same."""
+    from draftlab.config import LoadtestConfig
+    from draftlab.serve.loadtest import run_loadtest
+
+    report = run_loadtest(LoadtestConfig(url=f"{base_url}/v1", api_key=KEY, concurrency=[1, 3], requests=3,
+                                         max_tokens=12, speculation=["server", "off"], warmup=0), progress=False)
+    rows = {(r["concurrency"], r["speculation"]): r for r in report["levels"]}
+    assert set(rows) == {(1, "server"), (1, "off"), (3, "server"), (3, "off")}
+    for r in rows.values():
+        assert r["errors"] == 0 and r["requests"] == 3 and r["output_tokens_per_s"] > 0
 
 
 def test_chat(client):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from draftlab.config import StrictModel, VllmBenchSpec
 from draftlab.sweep.space import AshaSpec, SearchSpec
@@ -118,6 +118,17 @@ class PipelineConfig(StrictModel):
     `heldout`: short prompts of 12 kinds, long summaries and RAG, translation, math, QA, chat)."""
     compare: CompareStage = Field(default_factory=CompareStage)
     """Champion vs contenders."""
+
+    @field_validator("prompts")
+    @classmethod
+    def _readable(cls, v: str) -> str:
+        from draftlab.data.prompts import load_prompts  # noqa: PLC0415 -- datasets, for a `datasets:` source
+
+        try:  # here, not after the training stages: a bad path fails before anything runs
+            load_prompts(v, limit=1)
+        except (OSError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return v
     serve: ServeStage = Field(default_factory=ServeStage)
     """The endpoint."""
     smoke: SmokeStage = Field(default_factory=SmokeStage)
