@@ -386,6 +386,8 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
             def run(ids: list[int], extra: dict | None) -> Run:
                 r = llm.generate(ids, params.max_new_tokens, params.temperature, params.top_p, params.seed,  # noqa: B023
                                  extra_args=extra)
+                if extra and REQUEST_K in extra:  # the engine counts all its slots; this method verifies k of them
+                    r.spec.accepted_per_position = r.spec.accepted_per_position[: extra[REQUEST_K]]
                 # target forwards after the prefill: each yields 1 + its accepted drafts
                 return Run(r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec)
 
@@ -399,20 +401,7 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
                     bar.set_postfix_str(f"{p.category}:{m}")
                     runs[m].append((p.category, run(ids, extra)))
                     bar.update()
-            for c, prompts in levels:
-                for m, extra in engine["methods"].items():
-                    if c == 1 and cfg.load_requests is None:  # = the runs above: every prompt once, one at a time
-                        done = [r for _, r in runs[m]]
-                        secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
-                        load.setdefault(m, {})["1"] = {"tokens_per_s": sum(len(r.tokens) for r in done) / secs,
-                                                       "tau": spec.tau, "requests": len(done), "seconds": secs}
-                        continue
-                    bar.set_postfix_str(f"{m} x{c}")
-                    r = llm.generate_closed_loop(prompts, c, params.max_new_tokens, temperature=params.temperature,
-                                                 extra_args=extra)
-                    load.setdefault(m, {})[str(c)] = {"tokens_per_s": r.tokens_per_s, "tau": r.spec.tau,
-                                                       "requests": len(prompts), "seconds": r.seconds}
-                    bar.update(len(prompts))
+            load |= _load_levels(llm, engine["methods"], runs, levels, cfg, params.temperature, bar)
     bar.close()
     info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
             **cfg.vllm.model_dump(), "startup_s": startup,
@@ -421,6 +410,28 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
             "lookups": {name: e["kwargs"]["additional_config"] for name, e in plan.items()
                         if "additional_config" in e["kwargs"]}}
     return runs, info, load
+
+
+def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], runs: dict, levels: list, cfg: BenchConfig,
+                 temperature: float, bar: tqdm) -> dict[str, dict[str, dict]]:
+    """{method: {level: tokens/s, tau, requests, seconds}} of one engine's methods, closed loop
+    at each load level. Level 1 with the default request count is the one-at-a-time runs
+    already made (every prompt once, one in flight): taken from `runs`, not run again."""
+    out: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    for c, prompts in levels:
+        for m, extra in methods.items():
+            if c == 1 and cfg.load_requests is None:
+                done = [r for _, r in runs[m]]
+                secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
+                out[m]["1"] = {"tokens_per_s": sum(len(r.tokens) for r in done) / secs, "tau": spec.tau,
+                               "requests": len(done), "seconds": secs}
+                continue
+            bar.set_postfix_str(f"{m} x{c}")
+            r = llm.generate_closed_loop(prompts, c, cfg.max_new_tokens, temperature=temperature, extra_args=extra)
+            out[m][str(c)] = {"tokens_per_s": r.tokens_per_s, "tau": r.spec.tau, "requests": len(prompts),
+                              "seconds": r.seconds}
+            bar.update(len(prompts))
+    return out
 
 
 def render_table(report: dict) -> str:

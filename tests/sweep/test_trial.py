@@ -87,8 +87,9 @@ def test_sweep_cli_errors_are_clear(args, msg, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_vllm_objective_ranks_by_the_speedup_vllm_measures(tmp_path):
-    """`objective: vllm`: each chain's k is exported and measured in vLLM against `vllm_ar`
-    (real vLLM on CPU, a tiny head_dim-64 target); the row's speedup is vLLM's."""
+    """`objective: vllm`: each chain's k is measured in vLLM against `vllm_ar`, all on one
+    engine of the deepest k (real vLLM on CPU, a tiny head_dim-64 target); the row's speedup
+    is vLLM's."""
     pytest.importorskip("vllm")
     from draftlab.config import DistillConfig
     from draftlab.models.drafters.build import init_drafter
@@ -99,9 +100,11 @@ def test_vllm_objective_ranks_by_the_speedup_vllm_measures(tmp_path):
     init_drafter("p-eagle", target, k=3, depth=1).save(tmp_path / "d")
     cfg = DistillConfig.model_validate({"target": {"name": "tiny-llama-vllm", "dtype": "float32"}, "drafter": {"family": "p-eagle", "k": 3},
                                         "output_dir": str(tmp_path / "d"), "bench": {"limit": 2, "max_new_tokens": 8}})
-    out = _bench_trees(cfg.model_dump(mode="json"), ["chain-2"], "vllm")["chain-2"]
-    assert out["objective"] == "vllm" and out["tree_depth"] == 2 and out["greedy_identical"] is True
-    assert out["speedup_vs_ar"] > 0 and out["tau"] >= 1.0
+    rows = _bench_trees(cfg.model_dump(mode="json"), ["chain-2", "chain-3"], "vllm")
+    for k, out in ((2, rows["chain-2"]), (3, rows["chain-3"])):
+        assert out["objective"] == "vllm" and out["tree_depth"] == k and out["greedy_identical"] is True
+        assert out["speedup_vs_ar"] > 0 and out["tau"] >= 1.0
+        assert len(out["per_position_acceptance"]) == k  # chain-2: the first 2 of the engine's 3 slots
 
 
 GPU_BASE = yaml.safe_load((ROOT / "jobs/configs/llama3-8b-parallel-k5-2x8gpu.yaml").read_text())  # device: cuda

@@ -127,8 +127,9 @@ def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
 
 def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") -> dict[str, dict]:
     """Every tree of `trees` and `ar`, interleaved prompt by prompt in one bench run; with
-    the `vllm` objective, each chain's k exported to vLLM against `vllm_ar` instead (one
-    bench per chain: vLLM engines run one after another)."""
+    the `vllm` objective, the drafter exported to vLLM at the deepest chain's k and each other
+    chain's k measured on that engine (`vllm_draftlab@k<n>`: per-request draft lengths),
+    against `vllm_ar`."""
     cfg = DistillConfig.model_validate(cfg_json)
     target = load_target(cfg.target)
     drafter = load_drafter(cfg.output_dir, target)
@@ -137,8 +138,13 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
     bcfg = BenchConfig(target=cfg.target, drafter=cfg.output_dir, prompts=b.prompts, limit=b.limit,
                        max_new_tokens=b.max_new_tokens, methods=["ar"])
     if objective == "vllm":
-        runs = {name: (bench_loaded(target, drafter, bcfg.model_copy(update={"methods": ["ar", "vllm_draftlab"], "k": tree.depth}),
-                                    progress=False), "vllm_draftlab", "vllm_ar") for name, tree in resolved.items()}
+        ks = {name: tree.depth for name, tree in resolved.items()}
+        top = max(ks.values())
+        vcfg = bcfg.vllm.model_copy(update={"draft_lengths": sorted(set(ks.values()) - {top})})
+        report = bench_loaded(target, drafter, bcfg.model_copy(update={"methods": ["ar", "vllm_draftlab"], "k": top,
+                                                                       "vllm": vcfg}), progress=False)
+        runs = {name: (report, "vllm_draftlab" if k == top else f"vllm_draftlab@k{k}", "vllm_ar")
+                for name, k in ks.items()}
     else:
         report = bench_loaded(target, drafter, bcfg, progress=False, trees=resolved)
         runs = {name: (report, f"draftlab_tree:{name}", "ar") for name in resolved}
