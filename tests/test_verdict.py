@@ -81,6 +81,14 @@ def test_a_built_in_method_that_wins_is_said_plainly_and_deployed():
     assert v["deploy"]["method"] == "suffix" and "schedule" not in v["deploy"]  # no load levels measured
 
 
+def test_suffix_is_deployed_without_a_schedule_even_where_it_lost_under_load():
+    """vLLM 0.29's suffix proposer drafts its k every step or fails: no schedule for it."""
+    r = _report({"vllm_ar": 10, "vllm_suffix": 12}, {"vllm_ar": {1: 10, 16: 60}, "vllm_suffix": {1: 12, 16: 55}})
+    v = verdict(r, BenchConfig())
+    assert v["served"] == "vllm_suffix" and "schedule" not in v["deploy"]
+    assert [row["drafts"] for row in v["levels"]] == [True, False]
+
+
 def test_target_only_winning_deploys_no_speculation():
     r = _report({"vllm_ar": 10, "vllm_ngram": 9}, {"vllm_ar": {1: 10}, "vllm_ngram": {1: 9}})
     v = verdict(r, BenchConfig())

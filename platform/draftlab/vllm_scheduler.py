@@ -140,6 +140,9 @@ def _scheduler() -> type:
             # vLLM 0.29's parallel drafting drafts all its K slots or none: any other step K
             # fails in its proposer ("shape '[-1, 2]' is invalid for input of size 3")
             self._all_or_none = bool(getattr(vllm_config.speculative_config, "parallel_drafting", False))
+            # and its suffix proposer asserts every step drafts exactly its K: the step stays at K
+            # (a request's cap still trims its own drafts, so `draftlab_k: 0` verifies none)
+            self._fixed = getattr(vllm_config.speculative_config, "method", None) == "suffix"
 
         def _cap(self, request) -> int:
             """The most draft tokens `request` takes a step."""
@@ -148,7 +151,7 @@ def _scheduler() -> type:
 
         def schedule(self, *args, **kwargs):
             out = super().schedule(*args, **kwargs)
-            if out.num_scheduled_tokens and out.num_spec_tokens_to_schedule:
+            if out.num_scheduled_tokens and out.num_spec_tokens_to_schedule and not self._fixed:
                 # the drafter drafts, after this step, for these requests only: as many as the
                 # greediest of them takes (a copy from the text may need the whole chain)
                 wanted = max(self._cap(self.requests[r]) for r in out.num_scheduled_tokens)

@@ -126,12 +126,12 @@ def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
     from draftlab.serve.vllm_app import VllmServeArgs
 
     p = load_pipeline(ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml")
-    deploy = {"speculation": "on", "method": "suffix", "num_speculative_tokens": None, "suffix_cached_requests": 0,
-              "schedule": [[1, 8, 24], [9, 1024, 0]], "target.dtype": "float32"}
+    deploy = {"speculation": "on", "method": "ngram", "num_speculative_tokens": 4, "ngram_min": 2,
+              "schedule": [[1, 8, 4], [9, 1024, 0]], "target.dtype": "float32"}
     spec = p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy)
     args = spec["args"]
     assert isinstance(args, VllmServeArgs) and spec["name"] == "draftlab-vllm"
-    assert (args.method, args.schedule, args.target.dtype) == ("suffix", [(1, 8, 24), (9, 1024, 0)], "float32")
+    assert (args.method, args.schedule, args.target.dtype) == ("ngram", [(1, 8, 4), (9, 1024, 0)], "float32")
     assert args.model_uri == "models:/d@champion" and args.autoscaling.max_replicas == 1  # serve.overrides
     assert type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
     with pytest.raises(ConfigError, match="schedule"):

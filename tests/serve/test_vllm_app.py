@@ -116,7 +116,8 @@ def test_vllms_own_drafting_is_deployed_without_a_drafter_and_with_a_schedule(tm
     assert engine["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                             "prompt_lookup_max": 3, "num_speculative_tokens_per_batch_size": sched}
     assert engine["scheduler_cls"] == SCHEDULER  # `draftlab_k` per request works here too
-    suffix = resolve_engine(args.model_copy(update={"method": "suffix", "num_speculative_tokens": None}))[1]
+    suffix = resolve_engine(args.model_copy(update={"method": "suffix", "num_speculative_tokens": None,
+                                                    "schedule": None}))[1]
     assert suffix["speculative_config"]["method"] == "suffix"
     assert suffix["speculative_config"]["suffix_decoding_max_cached_requests"] == 0
     assert "num_speculative_tokens" not in suffix["speculative_config"]  # vLLM's own default depth
@@ -126,3 +127,9 @@ def test_vllms_own_drafting_is_deployed_without_a_drafter_and_with_a_schedule(tm
 def test_a_bad_schedule_is_refused(schedule):
     with pytest.raises(ValidationError, match="ranges must start at batch size 1"):
         VllmServeArgs(schedule=schedule)
+
+
+def test_suffix_drafting_takes_no_schedule():
+    """vLLM 0.29's suffix proposer asserts every step drafts its k (tests/test_vllm_bench.py)."""
+    with pytest.raises(ValidationError, match="leave schedule unset for method suffix"):
+        VllmServeArgs(method="suffix", schedule=[(1, 8, 24), (9, 64, 0)])
