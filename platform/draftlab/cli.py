@@ -1,34 +1,16 @@
-"""`draftlab` command line: parsing and validation only; the library does the work.
-
-    draftlab bench   --target smollm2-135m --drafter init:parallel --json bench.json
-    draftlab profile --target smollm2-135m --json profile.json
-    draftlab doctor [--gpu] [--target DIR] [--json doctor.jsonl]
-    draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2
-    draftlab select-tree -c jobs/configs/smollm2-135m-parallel-k4.yaml
-    draftlab sweep -c sweeps/smollm2-135m-cpu.yaml [dotted.field=value ...]
-    draftlab sweep --resume .draftlab/ray/sweeps/smollm2-135m-cpu
-    draftlab promote RUN_ID
-    draftlab runs
-    draftlab serve -c serving/smollm2-135m.yaml | --model-uri URI | --target T --drafter DIR
-    draftlab serve --engine vllm -c serving/smollm2-135m-vllm.yaml     (vLLM via Ray Serve LLM)
-    draftlab serve --status | --shutdown
-    draftlab loadtest --url http://127.0.0.1:8000/v1 --concurrency 1,4,16 --speculation on,off
-    draftlab pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml | --quick
-    draftlab submit --address http://HEAD:8265 pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
-    draftlab jobs list | logs ID [--follow] | status ID | stop ID
-    draftlab report .draftlab/pipelines/smollm2-135m-cpu | SWEEP_DIR | RUN_ID
-    draftlab generate [--check]
-    draftlab export DRAFTER OUT [--format vllm]
-
-Bad input exits with status 2 and one clear message, never a traceback.
-"""
+"""The `draftlab` command. Each command parses and validates its arguments, then calls one
+library function; bad input exits with status 2 and one clear message, never a traceback.
+`docs/cli.md` is generated from `build_parser()` (`draftlab generate`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
+from typing import get_args
 
 from pydantic import ValidationError
 
@@ -58,12 +40,71 @@ from draftlab.tracking import format_runs_table, list_runs, promote
 
 QUICK = "jobs/configs/pipeline-tiny-quick.yaml"  # `draftlab pipeline --quick` (from the repo root)
 METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
+PROMPTS_HELP = ("a JSONL file of {'prompt'}, chat {'messages'} or Spec-Bench {'turns'} rows, datasets:<name or file>[:split], "
+                "or a packaged set: default, heldout, mixed (default: default; docs/prompts.md)")
+DEVICES = list(get_args(TargetSpec.model_fields["device"].annotation))  # what TargetSpec accepts
+DTYPES = list(get_args(TargetSpec.model_fields["dtype"].annotation))
+
+DESCRIPTION = """\
+Speculative decoding with parallel drafters on Ray: distill a drafter from a target LLM
+(Ray Train), sweep its draft length, depth and tree shape against measured speedup (Ray
+Tune), serve the winner behind an OpenAI-compatible endpoint (Ray Serve, with vLLM or
+draftlab's own engine), and log every run to MLflow."""
+
+EPILOG = """\
+examples:
+  draftlab pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
+      the whole loop on SmolLM2-135M-Instruct (CPU), ending in an endpoint on 127.0.0.1:8000
+  draftlab pipeline --quick
+      every stage in a few minutes on a tiny random target
+  draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.lr=3e-4 name=my-run
+      train a drafter; key=value arguments override the config's fields
+  draftlab bench --drafter DRAFTER_DIR --methods ar,vllm_ar,vllm_suffix,vllm_draftlab --concurrency 1,4,16
+      measure the contenders in vLLM and print which one to deploy
+  draftlab serve -c serving/smollm2-135m-vllm.yaml
+      serve the registered champion with vLLM through Ray Serve LLM
+  draftlab loadtest --concurrency 1,4,16 --speculation server,off
+      the endpoint against target-only decoding on the same server
+  draftlab submit --address http://HEAD:8265 distill -c CONFIG --follow
+      run a job on a Ray cluster
+  draftlab serve --shutdown; ray stop
+      stop serving, then the local Ray cluster
+
+`draftlab COMMAND -h` lists a command's options. Reference: docs/cli.md (commands),
+docs/configuration.md (config files). A command that cannot do its job prints one line
+saying why and exits with status 2."""
+
+
+def package_version() -> str:
+    """The installed distribution's version; in a checkout that is not installed (PYTHONPATH=platform),
+    pyproject.toml's."""
+    try:
+        return metadata.version("draftlab")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: the version is looked up only when asked for (argparse's own action takes it
+    at parser build, i.e. on every command)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
 
 
 def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="preset, hub id, local HF dir or .gguf file")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where the target runs (auto: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
 
 
@@ -84,25 +125,27 @@ def _target(a: argparse.Namespace) -> TargetSpec:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftlab", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="draftlab", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     b = sub.add_parser("bench", help="speed of target-only vs speculative decoding, side by side")
     _target_args(b)
     b.add_argument("--drafter", default="init:parallel", help="saved drafter dir, or init:parallel / init:autoregressive")
-    b.add_argument("--prompts", default=None, help="JSONL prompts ({'prompt'} or Spec-Bench {'turns'}); default: packaged set")
+    b.add_argument("--prompts", default=None, help=PROMPTS_HELP)
     b.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     b.add_argument("--k", type=int, default=None, help="draft length of the chain method (default: the drafter's K)")
     b.add_argument("--depth", type=int, default=1, help="decoder layers of an init: drafter")
     b.add_argument("--tree", default=None, help="tree preset, chain-<k>, searched-<n> (the drafter's best n-node tree, from its tree-search.json), or JSON file of rank paths (default: the drafter dir's tree.json, else default); @n after it verifies n of its nodes per round, the drafter's likeliest; +ngram grafts prompt lookups")
     b.add_argument("--trees", type=_csv, default="", help="comma list of more trees (as --tree), each benched side by side as a draftlab_tree:<spec> method")
     b.add_argument("--versus", type=_csv, default="", help="comma list of other saved drafters for the same target, each benched with its own tree.json (or --tree) and lookup store as a draftlab_tree@<path> method, side by side")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed")
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
-    b.add_argument("--methods", type=_csv, default=",".join(METHODS), help=f"comma list of {METHODS}; "
+    b.add_argument("--methods", type=_csv, default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)} (the default); "
                    "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the chain/tree); "
                    "vLLM's vllm_ar, vllm_ngram, vllm_suffix (needs arctic-inference), vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s to minutes)")
     b.add_argument("--ngram-tokens", type=int, default=NgramSpec().tokens, help="*_ngram: longest grafted branch")
@@ -126,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
     _target_args(p)
     p.add_argument("--context", type=int, default=256, help="cached context length")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
     p.add_argument("--new-tokens", type=_ints, default=None, help="comma list of chain rows to time (default 1,2,4,8,16,32,64)")
     p.add_argument("--trees", type=_csv, default=None,
                    help="comma list of trees whose verify is timed (chain-<n>, a preset, a JSON file; default small-6,default,wide-16)")
@@ -139,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Runs with torch, transformers and pydantic alone (no Ray, MLflow, vLLM or hub): "
                         "random-weight Llamas of real shapes built in memory, or --target DIR. Without draftlab "
                         "installed: PYTHONPATH=platform python -m draftlab doctor [options].")
-    dr.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    dr.add_argument("--device", default="auto", choices=DEVICES, help="where the checks run (auto: cuda when available)")
     dr.add_argument("--gpu", action="store_true", help="the same as --device cuda")
     dr.add_argument("--checks", type=_csv, default=None, help="comma list of env,identity,verify,decode,profile,search,train "
                     "(default all)")
@@ -174,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("promote", help="make a distillation run's drafter the registered model's champion")
     m.add_argument("run_id", help="MLflow run id of a distillation (see `draftlab runs`)")
     m.add_argument("--model", default=None, help="registered model name (default: the one the run registered under)")
-    m.add_argument("--alias", default="champion")
+    m.add_argument("--alias", default="champion", help="the alias to give the version (the one serving picks up)")
     m.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
 
     v = sub.add_parser("serve", help="serve a drafter/target pair behind an OpenAI-compatible Ray Serve endpoint")
@@ -197,15 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("overrides", nargs="*", help="dotted overrides of the app args, e.g. autoscaling.max_replicas=2")
 
     lt = sub.add_parser("loadtest", help="closed-loop load on an OpenAI-compatible endpoint (JSON report)")
-    lt.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    lt.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the endpoint's OpenAI base URL")
     lt.add_argument("--model", default=None, help="default: the first model /v1/models lists")
-    lt.add_argument("--api-key", default=None)
+    lt.add_argument("--api-key", default=None, help="Bearer key, when the endpoint has api_keys")
     lt.add_argument("--concurrency", type=_ints, default="1,4,16", help="comma list of concurrency levels")
     lt.add_argument("--requests", type=int, default=None, help="requests per level and mode (default max(8, 2 x C))")
     lt.add_argument("--speculation", type=_csv, default="server", help="comma list of modes compared side by side: server,on,off")
-    lt.add_argument("--prompts", default=None, help="JSONL prompts (default: the packaged set)")
-    lt.add_argument("--max-tokens", type=int, default=128)
-    lt.add_argument("--temperature", type=float, default=0.0)
+    lt.add_argument("--prompts", default=None, help=PROMPTS_HELP)
+    lt.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    lt.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     lt.add_argument("--no-stream", action="store_true", help="non-streaming requests (no time to first token)")
     lt.add_argument("--duration", type=float, default=None, help="soak: seconds per level instead of a request count "
                     "(adds a per-window latency and replica-memory timeline)")
@@ -231,19 +274,24 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("overrides", nargs="*", help="dotted overrides passed to the job")
 
     jb = sub.add_parser("jobs", help="list / logs / status / stop jobs on a Ray cluster")
-    jb.add_argument("action", choices=["list", "logs", "status", "stop"])
-    jb.add_argument("job_id", nargs="?", default=None)
+    jb.add_argument("action", choices=["list", "logs", "status", "stop"], help="what to do")
+    jb.add_argument("job_id", nargs="?", default=None, help="the job (logs, status, stop; see `draftlab jobs list`)")
     jb.add_argument("--address", default=None, help=f"dashboard URL of the head (default $RAY_ADDRESS or {DEFAULT_ADDRESS})")
     jb.add_argument("--follow", action="store_true", help="logs: stream until the job ends")
 
-    rp = sub.add_parser("report", help="HTML + markdown report of a pipeline, sweep or MLflow run (logged to MLflow)")
-    rp.add_argument("source", help="pipeline dir (.draftlab/pipelines/NAME), sweep dir, or MLflow run id")
+    rp = sub.add_parser("report", help="HTML + markdown report of a pipeline, sweep, drafter or MLflow run (logged to MLflow)",
+                        description="One self-contained HTML page and its markdown twin. SOURCE is a pipeline "
+                        "directory (.draftlab/pipelines/NAME), a sweep directory (<storage>/sweeps/NAME), a saved "
+                        "drafter directory (its training.json: held-out acceptance against training minutes and "
+                        "tokens, e.g. .draftlab/ray/NAME/drafter), or an MLflow run id (the same files among its "
+                        "artifacts).")
+    rp.add_argument("source", help="pipeline dir, sweep dir, drafter dir (training curve), or MLflow run id")
     rp.add_argument("-o", "--out", default=None, help="output directory (default: <source>/report)")
     rp.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
     rp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
 
-    g = sub.add_parser("generate", help="regenerate docs/configuration.md and infra/k8s/rayservice-*.yaml")
-    g.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is stale")
+    g = sub.add_parser("generate", help="regenerate docs/configuration.md, docs/cli.md and infra/k8s/rayservice-*.yaml")
+    g.add_argument("--check", action="store_true", help="write nothing; exit 2 naming the stale files, if any")
 
     ex = sub.add_parser("export", help="write a p-eagle drafter in vLLM's EAGLE-3 / P-EAGLE layout")
     ex.add_argument("drafter", help="a saved drafter directory (family p-eagle)")
@@ -253,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("runs", help="recent draftlab runs in MLflow with their key metrics")
     r.add_argument("--experiment", default=None, help="one experiment (default: every draftlab-* experiment)")
     r.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
-    r.add_argument("--limit", type=int, default=20)
+    r.add_argument("--limit", type=int, default=20, help="most runs listed")
     return parser
 
 

@@ -1,12 +1,16 @@
-"""Reference docs generated from the code: `docs/configuration.md` from the pydantic models.
+"""Reference docs generated from the code: `docs/configuration.md` from the pydantic models,
+`docs/cli.md` from the command-line parser.
 
 Each top-level config model becomes one table of its fields, nested sections flattened to
 dotted names (`train.lr`), with the type (Literal = the allowed values), constraints,
-default and the field's docstring. `draftlab generate` writes it; `--check` fails on drift.
+default and the field's docstring. Each command becomes its usage and a table of its
+arguments. `draftlab generate` writes both; `--check` fails on drift.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
 import inspect
 import re
@@ -126,8 +130,10 @@ def config_reference(models: Sequence[tuple[str, str, str]] = MODELS) -> str:
     out = ["# Configuration reference", "", HEADER, "",
            "Every section rejects unknown keys. A dotted name is a key in a nested section (`train.lr` is `lr:` "
            "under `train:`), the form dotted overrides on the command line take (`draftlab distill -c FILE "
-           "train.lr=1e-4`); `[]` marks the items of a list and `<key>` the keys of a mapping.", ""]
-    out += [f"- [{heading}](#{_anchor(heading)}): {used_for}" for heading, _, used_for in loaded]
+           "train.lr=1e-4`); `[]` marks the items of a list and `<key>` the keys of a mapping.", "",
+           "| config | used for | top-level fields |", "| --- | --- | --- |"]
+    out += [f"| [{heading}](#{_anchor(heading)}) | {_cell(used_for)} | {', '.join(f'`{name}`' for name in model.model_fields)} |"
+            for heading, model, used_for in loaded]
     for heading, model, used_for in loaded:
         out += ["", f"## {heading}", "", f"Used for {used_for}.", ""]
         if model.__doc__:
@@ -137,40 +143,77 @@ def config_reference(models: Sequence[tuple[str, str, str]] = MODELS) -> str:
     return "\n".join(out) + "\n"
 
 
-BEGIN, END = "<!-- generated: config-index (draftlab generate) -->", "<!-- end generated -->"
+CLI_WIDTH = 100  # usage lines are wrapped at this width, whatever the terminal that runs `generate`
 
 
-def config_index(models: Sequence[tuple[str, str, str]] = MODELS) -> str:
-    """The README's block: per config kind, where it is used and its top-level fields,
-    each linked to its table in docs/configuration.md."""
-    out = ["| config | used for | top-level fields |", "| --- | --- | --- |"]
-    for title, path, used_for in models:
-        model = load_model(path)
-        heading = f"{title}: `{path.partition(':')[2]}`"
-        fields = ", ".join(f"`{name}`" for name in model.model_fields)
-        out.append(f"| [{heading}](docs/configuration.md#{_anchor(heading)}) | {_cell(used_for)} | {fields} |")
-    return "\n".join(out)
+def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
+    """(name, one-line help, parser) per subcommand, in the order they were added. argparse has
+    no public way to list them: they sit on its subparsers action."""
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+    return [(name, helps.get(name, ""), sub) for name, sub in action.choices.items()]
 
 
-def readme_with_index(readme: str) -> str:
-    """`readme` with the block between BEGIN and END replaced by `config_index()`."""
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
-    return readme[: start + len(BEGIN)] + "\n" + config_index() + "\n" + readme[end:]
+def _usage(parser: argparse.ArgumentParser) -> str:
+    parser.formatter_class = functools.partial(argparse.HelpFormatter, width=CLI_WIDTH)
+    return parser.format_usage().strip()
 
 
-GENERATED: dict[str, Callable[[], str]] = {"docs/configuration.md": config_reference}
+def _argument(action: argparse.Action) -> str:
+    """How an argument is written: `-c, --config CONFIG`, `--device {auto,cpu,cuda}`, `[overrides ...]`."""
+    metavar = action.metavar or ("{" + ",".join(map(str, action.choices)) + "}" if action.choices else None)
+    if not action.option_strings:
+        name = metavar or action.dest
+        return {"*": f"[{name} ...]", "?": f"[{name}]", "+": f"{name} [{name} ...]"}.get(action.nargs, name)
+    flags = ", ".join(action.option_strings)
+    if action.nargs == 0:
+        return flags
+    return f"{flags} {metavar or action.dest.upper()}"
+
+
+def _default(action: argparse.Action) -> str:
+    value = action.default
+    if action.nargs == 0 or value is None or value is argparse.SUPPRESS or value in ("", []):
+        return ""
+    return f"`{value}`"
+
+
+def _prose(text: str) -> str:
+    """Help text as markdown prose: `<` escaped (else GitHub takes `<name or file>` for an HTML tag
+    and drops it), and `*` (`*_ngram` is not emphasis)."""
+    return text.replace("<", "&lt;").replace("*", "\\*")
+
+
+def cli_reference() -> str:
+    """Markdown reference of the `draftlab` command: the top-level help, then per command its
+    usage and a `argument | default | description` table."""
+    from draftlab.cli import build_parser  # noqa: PLC0415 -- draftlab.cli imports this module
+
+    parser = build_parser()
+    commands = _subcommands(parser)
+    out = ["# Command-line reference", "",
+           "Generated by `draftlab generate` from the argument parser in platform/draftlab/cli.py; do not edit.", "",
+           _prose(parser.description or ""), "", "```", _usage(parser), "```", "",
+           "| command | what it does |", "| --- | --- |"]
+    out += [f"| [`draftlab {name}`](#{_anchor(f'draftlab {name}')}) | {_cell(_prose(help_))} |" for name, help_, _ in commands]
+    if parser.epilog:
+        out += ["", "```", parser.epilog, "```"]
+    for name, help_, sub in commands:
+        out += ["", f"## draftlab {name}", "", _prose(help_[:1].upper() + help_[1:]) + ".", ""]
+        if sub.description:
+            out += [_prose(sub.description), ""]
+        out += ["```", _usage(sub), "```", "", "| argument | default | description |", "| --- | --- | --- |"]
+        out += [f"| `{_cell(_argument(a))}` | {_cell(_default(a))} | {_cell(_prose(a.help or ''))} |"
+                for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+    return "\n".join(out) + "\n"
+
+
+GENERATED: dict[str, Callable[[], str]] = {"docs/configuration.md": config_reference, "docs/cli.md": cli_reference}
 """Generated files (relative to the repository root) and what renders each."""
-BLOCKS: dict[str, Callable[[str], str]] = {"README.md": readme_with_index}
-"""Files with a generated block: the current text -> the text with the block rendered."""
 
 
 def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     """Rewrite every generated file under `root` that differs from its rendering; returns
     the changed paths (relative to `root`). `check=True` writes nothing and returns the
     stale ones."""
-    renders = {rel: (lambda render=render: render()) for rel, render in GENERATED.items()}
-    renders |= {rel: (lambda rel=rel, fill=fill: fill((Path(root) / rel).read_text()))
-                for rel, fill in BLOCKS.items() if (Path(root) / rel).is_file()}
-    return sync(root, renders, check)
+    return sync(root, GENERATED, check)
