@@ -81,11 +81,11 @@ def test_a_built_in_method_that_wins_is_said_plainly_and_deployed():
     assert v["deploy"]["method"] == "suffix" and "schedule" not in v["deploy"]  # no load levels measured
 
 
-def test_suffix_is_deployed_without_a_schedule_even_where_it_lost_under_load():
-    """vLLM 0.29's suffix proposer drafts its k every step or fails: no schedule for it."""
+def test_suffix_is_deployed_with_a_schedule_that_stops_drafting_where_it_lost_under_load():
+    """vLLM's suffix proposer takes no schedule; draftlab's scheduler applies it (`with_schedule`)."""
     r = _report({"vllm_ar": 10, "vllm_suffix": 12}, {"vllm_ar": {1: 10, 16: 60}, "vllm_suffix": {1: 12, 16: 55}})
     v = verdict(r, BenchConfig())
-    assert v["served"] == "vllm_suffix" and "schedule" not in v["deploy"]
+    assert v["served"] == "vllm_suffix" and v["deploy"]["schedule"] == [[1, 4, 24], [5, 1024, 0]]
     assert [row["drafts"] for row in v["levels"]] == [True, False]
 
 

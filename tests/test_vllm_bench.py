@@ -144,20 +144,21 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
     assert load["vllm_ar"]["3"]["speedup_vs_vllm_ar"] == 1.0
     assert v["served"] == max(MEASURED, key=lambda name: m[name]["tokens_per_s"])
     assert [row["concurrency"] for row in v["levels"]] == [1, 3]
-    if v["served"] not in ("vllm_ar", "vllm_suffix"):
+    if v["served"] != "vllm_ar":
         assert v["deploy"]["schedule"][0][0] == 1  # vLLM: the first range starts at batch size 1
     sfx = report["vllm"]["speculative_config"]["vllm_suffix"]
     assert sfx["method"] == "suffix" and sfx["suffix_decoding_max_cached_requests"] == 0
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])  # vLLM's schedule; ours (vLLM's suffix proposer takes none)
 def test_a_request_capped_at_zero_drafts_nothing_and_the_schedule_stops_drafting_under_load(target, target_dir,
-                                                                                           in_process):
+                                                                                           in_process, method):
     from draftlab.vllm_offline import VllmEngine
     from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs, with_schedule
 
     prompts = [target.encode_prompt(t) for t in TEXTS]
-    kw = with_schedule(engine_kwargs(None, builtin_config("ngram", 4, 1, 3), 4), [[1, 1, 4], [2, 64, 0]])
+    kw = with_schedule(engine_kwargs(None, builtin_config(method, 4, 1, 3), 4), [[1, 1, 4], [2, 64, 0]])
     with VllmEngine(target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY, **kw) as llm:
         alone = llm.generate_closed_loop(prompts, 1, NEW)
         off = llm.generate_closed_loop(prompts, 1, NEW, extra_args={REQUEST_K: 0})

@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--duration", type=float, default=None, help="soak: seconds per level instead of a request count "
                     "(adds a per-window latency and replica-memory timeline)")
     lt.add_argument("--window", type=float, default=60.0, help="soak: timeline window in seconds")
+    lt.add_argument("--warmup", type=int, default=None, help="untimed requests per speculation mode before the "
+                    "first level (default: each prompt once, at most 16)")
     lt.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     pl = sub.add_parser("pipeline", help="the whole loop: data, distill, sweep, promote, compare, serve, smoke, report")
@@ -396,7 +398,7 @@ def _loadtest(a: argparse.Namespace) -> None:
         url=a.url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
         requests=a.requests, speculation=a.speculation, prompts=a.prompts,
         max_tokens=a.max_tokens, temperature=a.temperature, stream=not a.no_stream, json_out=a.json_out,
-        duration_s=a.duration, window_s=a.window,
+        duration_s=a.duration, window_s=a.window, warmup=a.warmup,
     )
     print(json.dumps(run_loadtest(cfg), indent=2))
 

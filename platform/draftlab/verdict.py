@@ -17,8 +17,6 @@ from __future__ import annotations
 import math
 
 MAX_BATCH = 1024  # the schedule's last range ends here (vLLM carries it on past max_num_seqs anyway)
-# vLLM 0.29's suffix proposer asserts every step drafts its configured k (`suffix_decoding.py`:
-# `assert num_speculative_tokens == self.num_speculative_tokens`): no batch-size schedule for it
 SUFFIX_DEPTH = 24  # vLLM's default suffix_decoding_max_tree_depth: suffix drafting's k when none is set
 
 
@@ -88,7 +86,7 @@ def verdict(report: dict, cfg) -> dict:
         row = load[served][str(c)]
         rows.append({"concurrency": c, "tokens_per_s": row["tokens_per_s"], "vllm_ar_tokens_per_s":
                      load["vllm_ar"][str(c)]["tokens_per_s"], "drafts": bool((row["speedup_vs_vllm_ar"] or 0) > 1.0)})
-    if served not in ("vllm_ar", "vllm_suffix") and rows:  # vLLM's suffix drafting takes no schedule (SUFFIX_DEPTH)
+    if served != "vllm_ar" and rows:
         deploy["schedule"] = schedule(levels, [r["drafts"] for r in rows], drafted)
     one = methods[served]["speedup_vs_vllm_ar"]
     if served == "vllm_ar":

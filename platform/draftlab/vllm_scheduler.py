@@ -14,7 +14,11 @@ target-only. The step's drafting is sized for the requests in it: when none want
 n, the drafter drafts n (0: vLLM skips drafting), so a batch of `draftlab_k: 0` requests costs
 what target-only decoding costs, on the same engine (`draftlab loadtest --speculation off`),
 and one engine measures every k <= its `num_speculative_tokens` (`draftlab.contenders`).
-vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`) applies first.
+vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`) applies first. vLLM's
+suffix drafting takes none (its proposer asserts it drafts its k every step), so for it this
+scheduler applies the schedule itself (`with_schedule`): the step's k stays, and every
+request's drafts are trimmed to the schedule's k at the step's batch size (0: none verified;
+proposing them is a CPU tree lookup).
 
 **Prompt lookups** (`vllm_draftlab_ngram`). vLLM verifies one draft source per engine: its
 n-gram drafting copies the spans a summary, a RAG answer or an edit repeats from its prompt,
@@ -27,7 +31,7 @@ that followed it, else the drafter's first `draft_tokens` tokens. Copies do not 
 chain either source may propose, and its drafter drafts that many tokens a step whichever
 chain is verified: on a 2-core CPU a step took 1.31x a target-only step with room for
 16-token copies and 1.16x with room for 5, and the longer copies did not make up for it
-(README "Prompt lookups in vLLM on a 2-core CPU").
+(docs/guides/vllm.md).
 
 Which tokens are drafted never changes what is generated: vLLM verifies every draft token
 against the target (greedy: exact match; sampling: its rejection sampler, lossless for a
@@ -44,7 +48,7 @@ from draftlab.config import NgramSpec
 if TYPE_CHECKING:  # torch: imported by vLLM's engine core when it builds the scheduler, not by clients
     from draftlab.decoding.ngram import NgramIndex
 
-LOOKUP_KEY = "draftlab_lookup"  # additional_config key: {"spec": NgramSpec fields | None, "draft_tokens": n}
+LOOKUP_KEY = "draftlab_lookup"  # additional_config: {"spec": NgramSpec fields | None, "draft_tokens": n, "schedule": ranges}
 REQUEST_K = "draftlab_k"  # SamplingParams.extra_args / vllm_xargs key: this request's most draft tokens a step
 SCHEDULER = "draftlab.vllm_scheduler.DraftlabScheduler"
 
@@ -87,16 +91,21 @@ def require_arctic() -> None:
     except ImportError as e:
         raise ImportError(
             f"suffix decoding needs arctic-inference ({e}); PyPI has a source release only: "
-            "`infra/install-arctic.sh .venv` builds and installs it (README \"Install\")") from None
+            "`infra/install-arctic.sh .venv` builds and installs it (docs/install.md)") from None
 
 
 def with_schedule(kwargs: dict, schedule: list[list[int]] | None) -> dict:
-    """Engine kwargs with vLLM's batch-size schedule of draft tokens
-    (`num_speculative_tokens_per_batch_size`: inclusive [first, last, k] ranges, k = 0 allowed)."""
+    """Engine kwargs (`engine_kwargs`) with a batch-size schedule of draft tokens: inclusive
+    [first, last, k] ranges, k = 0 allowed. vLLM's own (`num_speculative_tokens_per_batch_size`)
+    where it takes one, this scheduler's for suffix drafting (module doc)."""
     if not schedule or "speculative_config" not in kwargs:
         return kwargs
+    ranges = [tuple(r) for r in schedule]
+    if kwargs["speculative_config"].get("method") == "suffix":
+        extra = kwargs["additional_config"][LOOKUP_KEY] | {"schedule": ranges}
+        return kwargs | {"additional_config": kwargs["additional_config"] | {LOOKUP_KEY: extra}}
     return kwargs | {"speculative_config": kwargs["speculative_config"] | {
-        "num_speculative_tokens_per_batch_size": [tuple(r) for r in schedule]}}
+        "num_speculative_tokens_per_batch_size": ranges}}
 
 
 def request_k(extra_args: dict | None) -> int | None:
@@ -125,6 +134,7 @@ def __getattr__(name: str):
 
 def _scheduler() -> type:
     from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415 -- vLLM: an optional extra, needed once vLLM resolves the scheduler
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup  # noqa: PLC0415 -- as above
 
     from draftlab.decoding.ngram import NgramIndex  # noqa: PLC0415 -- torch (TYPE_CHECKING above)
 
@@ -141,16 +151,22 @@ def _scheduler() -> type:
             # fails in its proposer ("shape '[-1, 2]' is invalid for input of size 3")
             self._all_or_none = bool(getattr(vllm_config.speculative_config, "parallel_drafting", False))
             # and its suffix proposer asserts every step drafts exactly its K: the step stays at K
-            # (a request's cap still trims its own drafts, so `draftlab_k: 0` verifies none)
+            # (a request's cap still trims its own drafts, so `draftlab_k: 0` verifies none), and
+            # the batch-size schedule trims every request's drafts (`with_schedule`)
             self._fixed = getattr(vllm_config.speculative_config, "method", None) == "suffix"
+            self._by_batch = build_dynamic_sd_schedule_lookup(
+                extra["schedule"], self.max_num_running_reqs, self.num_spec_tokens) if extra.get("schedule") else None
+            self._step_k = self.num_spec_tokens  # the schedule's k at the last step's batch size
 
         def _cap(self, request) -> int:
             """The most draft tokens `request` takes a step."""
             own = request_k(request.sampling_params.extra_args if request.sampling_params else None)
-            return self.num_spec_tokens if own is None else min(own, self.num_spec_tokens)
+            return self._step_k if own is None else min(own, self._step_k)
 
         def schedule(self, *args, **kwargs):
             out = super().schedule(*args, **kwargs)
+            if self._by_batch is not None and out.num_scheduled_tokens:
+                self._step_k = self._by_batch[min(len(out.num_scheduled_tokens), len(self._by_batch) - 1)]
             if out.num_scheduled_tokens and out.num_spec_tokens_to_schedule and not self._fixed:
                 # the drafter drafts, after this step, for these requests only: as many as the
                 # greediest of them takes (a copy from the text may need the whole chain)

@@ -129,7 +129,12 @@ def test_a_bad_schedule_is_refused(schedule):
         VllmServeArgs(schedule=schedule)
 
 
-def test_suffix_drafting_takes_no_schedule():
-    """vLLM 0.29's suffix proposer asserts every step drafts its k (tests/test_vllm_bench.py)."""
-    with pytest.raises(ValidationError, match="leave schedule unset for method suffix"):
-        VllmServeArgs(method="suffix", schedule=[(1, 8, 24), (9, 64, 0)])
+def test_suffix_drafting_is_scheduled_by_draftlabs_scheduler():
+    """vLLM 0.29's suffix proposer asserts every step drafts its k, so vLLM's schedule would fail
+    it: the schedule goes to draftlab's scheduler instead (tests/test_vllm_bench.py runs it)."""
+    sched = [(1, 8, 24), (9, 64, 0)]
+    args = VllmServeArgs(target={"name": TARGET}, method="suffix", schedule=sched,
+                         tracking_uri="sqlite:////nonexistent/never-read.db")
+    engine = resolve_engine(args)[1]
+    assert "num_speculative_tokens_per_batch_size" not in engine["speculative_config"]
+    assert engine["additional_config"][LOOKUP_KEY]["schedule"] == sched and engine["scheduler_cls"] == SCHEDULER

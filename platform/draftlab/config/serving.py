@@ -163,8 +163,11 @@ class LoadtestConfig(StrictModel):
     """Stream (time to first token is measured only when streaming)."""
     timeout_s: float = Field(600.0, gt=0)
     """Per-request timeout."""
-    warmup: int = Field(1, ge=0)
-    """Untimed requests before the first level."""
+    warmup: int | None = Field(None, ge=0)
+    """Untimed requests per speculation mode before the first level, sent as many at a time as
+    the first level's concurrency, cycling the prompts: first-use costs (an engine compiles
+    and caches kernels per new shape; a speculative step verifies new token counts) are paid
+    by every mode before any is timed. None = each prompt once (at most 16)."""
     duration_s: float | None = Field(None, gt=0)
     """Soak: run each level for this long instead of a request count, and report latency
     and the serving processes' memory (RSS, when they run on this machine) per window."""

@@ -248,8 +248,7 @@ def float32_note(target: TargetSpec) -> str | None:
         return None
     return (f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the stages that "
             "generate data and bench take several times longer than the budgets here were measured at with a "
-            "bf16 target (README pipeline: ~20 min with bf16, 92 min on a 2-core AVX2 EPYC; README "
-            "\"CPUs without fast bf16\")")
+            "bf16 target (docs/benchmarks.md, \"The pipeline end to end\")")
 
 
 def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:

@@ -1,7 +1,7 @@
 """`draftlab loadtest`: a closed-loop load generator for an OpenAI-compatible endpoint.
 
-For each concurrency level C (and each speculation mode, run back to back so modes are
-compared on the same machine state), C clients each send a chat completion, wait for it
+After an untimed warm-up of every speculation mode (`warmup`), for each concurrency level C
+(and each speculation mode, run back to back so modes are compared on the same machine state), C clients each send a chat completion, wait for it
 to finish and send the next, until the level's request count is done. Reported per level:
 requests/s, output tokens/s, p50/p95 time to first token and latency, tau (tokens per
 target forward, from the `usage.speculative` the server returns), draft tokens verified and
@@ -181,8 +181,10 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
             r = await client.get("/models")
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-        for _ in range(cfg.warmup):
-            await _one(client, cfg, model, chats[0], cfg.speculation[0])
+        warm = min(len(chats), 16) if cfg.warmup is None else cfg.warmup
+        for mode in cfg.speculation if warm else ():
+            await _level(client, cfg.model_copy(update={"requests": warm, "duration_s": None}), model, chats,
+                         min(cfg.concurrency[0], warm), mode)
         levels = []
         for c in cfg.concurrency:
             for mode in cfg.speculation:

@@ -88,7 +88,8 @@ class VllmServeArgs(ServingCommon):
     """Draft tokens by batch size: inclusive `[first, last, k]` ranges starting at 1, k = 0 for no
     drafting (vLLM's `num_speculative_tokens_per_batch_size`; the pipeline derives it from its
     load levels, `draftlab.verdict`). None = the same k at every batch size. A parallel drafter
-    drafts its k or nothing; `suffix` takes no schedule (vLLM 0.29)."""
+    drafts its k or nothing; `suffix` drafts (and is verified on) up to its k or nothing, the
+    schedule applied by draftlab's scheduler (vLLM 0.29's suffix proposer takes none)."""
     prompt_lookup: Literal["tree", "on", "off"] = "tree"
     """Prompt lookups merged into the drafter's drafts (`draftlab.vllm_scheduler`: where the
     request's text has an n-gram match, the tokens that followed it are drafted instead):
@@ -142,9 +143,6 @@ class VllmServeArgs(ServingCommon):
         device = {"cpu": "cpu", "gpu": "cuda"}[self.accelerator]
         if self.target.device not in ("auto", device):
             raise ValueError(f"target.device {self.target.device!r} contradicts accelerator {self.accelerator!r}")
-        if self.schedule is not None and self.method == "suffix" and self.speculation == "on":
-            raise ValueError("schedule: vLLM's suffix drafting drafts its k every step (its proposer asserts it); "
-                             "leave schedule unset for method suffix")
         if self.schedule is not None:
             ranges = sorted(self.schedule)
             if not ranges or ranges[0][0] != 1 or any(a < 1 or b < a or n < 0 for a, b, n in ranges) or any(
