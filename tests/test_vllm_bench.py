@@ -136,11 +136,15 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
         assert s["drafts"] > 0 and s["draft_tokens"] == n * s["drafts"]  # exactly n verified a step
         assert len(s["per_position_acceptance"]) == n
     assert report["vllm_greedy_identical"] is True  # every k, suffix included
-    assert set(load) == set(MEASURED) and all(set(rows) == {"1", "3"} for rows in load.values())
+    assert set(load) == set(MEASURED)
     for name, rows in load.items():
-        assert rows["3"]["requests"] == 6 and rows["3"]["tokens_per_s"] > 0  # max(3 prompts, 2 x 3)
         assert rows["1"]["tokens_per_s"] == pytest.approx(m[name]["tokens_per_s"])  # level 1 = one at a time
         assert rows["1"]["speedup_vs_vllm_ar"] == pytest.approx(m[name]["speedup_vs_vllm_ar"])
+        # under load: the finalists only, vllm_ar and each method faster than it one at a time
+        finalist = name == "vllm_ar" or m[name]["tokens_per_s"] > m["vllm_ar"]["tokens_per_s"]
+        assert set(rows) == ({"1", "3"} if finalist else {"1"})
+        if finalist:
+            assert rows["3"]["requests"] == 6 and rows["3"]["tokens_per_s"] > 0  # max(3 prompts, 2 x 3)
     assert load["vllm_ar"]["3"]["speedup_vs_vllm_ar"] == 1.0
     assert v["served"] == max(MEASURED, key=lambda name: m[name]["tokens_per_s"])
     assert [row["concurrency"] for row in v["levels"]] == [1, 3]

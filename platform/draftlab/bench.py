@@ -362,7 +362,7 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
               ) -> tuple[dict[str, list[tuple[str, Run]]], dict | None, dict]:
     """Each planned engine as one block, one alive at a time: after the warm-up its methods
     interleaved prompt by prompt over all prompts, then each load level (`cfg.concurrency`)
-    for each of its methods. Returns the runs, the engines' info and {method: {level: load}}."""
+    for each of its finalists (`_finalist`, or all with `cfg.load_all`). Returns the runs, the engines' info and {method: {level: load}}."""
     if not plan:
         return {}, None, {}
 
@@ -401,7 +401,11 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
                     bar.set_postfix_str(f"{p.category}:{m}")
                     runs[m].append((p.category, run(ids, extra)))
                     bar.update()
-            load |= _load_levels(llm, engine["methods"], runs, levels, cfg, params.temperature, bar)
+            finalists = {m: extra for m, extra in engine["methods"].items() if cfg.load_all or _finalist(runs, m)}
+            bar.total -= (len(engine["methods"]) - len(finalists)) * timed
+            load |= _load_levels(llm, finalists, runs, levels, cfg, params.temperature, bar)
+            if 1 in cfg.concurrency and cfg.load_requests is None:  # the others' level 1: their runs above
+                load |= {m: {"1": _level_one(runs[m])} for m in engine["methods"] if m not in finalists}
     bar.close()
     info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
             **cfg.vllm.model_dump(), "startup_s": startup,
@@ -410,6 +414,24 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
             "lookups": {name: e["kwargs"]["additional_config"] for name, e in plan.items()
                         if "additional_config" in e["kwargs"]}}
     return runs, info, load
+
+
+def _level_one(runs: list[tuple[str, Run]]) -> dict:
+    """Load level 1 of a method: its one-at-a-time runs (every prompt once, one in flight)."""
+    done = [r for _, r in runs]
+    secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
+    return {"tokens_per_s": sum(len(r.tokens) for r in done) / secs, "tau": spec.tau, "requests": len(done),
+            "seconds": secs}
+
+
+def _tokens_per_s(runs: list[tuple[str, Run]]) -> float:
+    return sum(len(r.tokens) for _, r in runs) / (sum(r.seconds for _, r in runs) or 1.0)
+
+
+def _finalist(runs: dict[str, list[tuple[str, Run]]], method: str) -> bool:
+    """Measured under load: `vllm_ar`, and each method faster than it one request at a time
+    (one slower there is never the served configuration, `draftlab.verdict`)."""
+    return method == "vllm_ar" or _tokens_per_s(runs[method]) > _tokens_per_s(runs["vllm_ar"])
 
 
 def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], runs: dict, levels: list, cfg: BenchConfig,
@@ -421,10 +443,7 @@ def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], runs: dict, l
     for c, prompts in levels:
         for m, extra in methods.items():
             if c == 1 and cfg.load_requests is None:
-                done = [r for _, r in runs[m]]
-                secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
-                out[m]["1"] = {"tokens_per_s": sum(len(r.tokens) for r in done) / secs, "tau": spec.tau,
-                               "requests": len(done), "seconds": secs}
+                out[m]["1"] = _level_one(runs[m])
                 continue
             bar.set_postfix_str(f"{m} x{c}")
             r = llm.generate_closed_loop(prompts, c, cfg.max_new_tokens, temperature=temperature, extra_args=extra)

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     lt.add_argument("--api-key", default=None, help="Bearer key, when the endpoint has api_keys")
     lt.add_argument("--concurrency", type=_ints, default="1,4,16", help="comma list of concurrency levels")
-    lt.add_argument("--requests", type=int, default=None, help="requests per level and mode (default max(8, 2 x C))")
+    lt.add_argument("--requests", type=int, default=None, help="requests per level and mode (default max(prompts, 2 x C))")
     lt.add_argument("--speculation", type=_csv, default="server", help="comma list of modes compared side by side: server,on,off")
     lt.add_argument("--prompts", default=None, help=PROMPTS_HELP)
     lt.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")

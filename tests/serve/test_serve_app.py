@@ -17,6 +17,7 @@ import pytest
 from ray import serve
 
 from draftlab.config import LoadtestConfig, SamplingParams, ServeArgs, TargetSpec
+from draftlab.data.prompts import load_prompts
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.drafters.build import init_drafter
 from draftlab.serve.app import build_app
@@ -162,6 +163,10 @@ def test_loadtest_reports_every_level_and_mode(base_url):
         assert r["ttft_p50_s"] <= r["latency_p95_s"]
         assert r["tau"] == 1.0 if mode == "off" else r["tau"] >= 1.0
         assert (r["drafted"] > 0) == (mode == "on"), (mode, r["drafted"])  # `on` drafts every round, `off` never
+        # the default prompts' first 3 (cycled in order), each request's own speed by its kind
+        kinds = [p.category for p in load_prompts(None)[:3]]
+        assert {k: v["requests"] for k, v in r["by_kind"].items()} == {k: kinds.count(k) for k in kinds}
+        assert all(v["request_tokens_per_s"] > 0 for v in r["by_kind"].values())
 
 
 def test_serve_status_lists_the_app():

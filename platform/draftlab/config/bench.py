@@ -121,6 +121,9 @@ class BenchConfig(StrictModel):
     with its batch-size schedule of draft tokens). Empty = none."""
     load_requests: int | None = Field(None, ge=1)
     """Requests per load level (prompts cycled); None = max(prompts, 2 x level)."""
+    load_all: bool = False
+    """Measure every `vllm_*` method under load; False = the finalists only: `vllm_ar` and each
+    method faster than it one request at a time (a slower one is never deployed)."""
     json_out: str | None = None
     """Write the JSON report here."""
 

@@ -149,7 +149,8 @@ class LoadtestConfig(StrictModel):
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16], min_length=1)
     """Concurrency levels: that many clients each send a request, wait for it, send the next."""
     requests: int | None = Field(None, ge=1)
-    """Requests per level (and mode); None = max(8, 2 x concurrency)."""
+    """Requests per level (and mode), prompts cycled; None = max(prompts, 2 x concurrency): every
+    prompt at least once, so each kind is measured at every level (`by_kind`)."""
     speculation: list[Literal["server", "on", "off"]] = Field(default_factory=lambda: ["server"], min_length=1)
     """Modes compared level by level in one run: `server` = its policy; `on`/`off` force
     drafting per request (draftlab's `speculation` extension field)."""
@@ -165,7 +166,7 @@ class LoadtestConfig(StrictModel):
     """Per-request timeout."""
     warmup: int | None = Field(None, ge=0)
     """Untimed requests per speculation mode before the first level, sent as many at a time as
-    the first level's concurrency, cycling the prompts: first-use costs (an engine compiles
+    the highest level's concurrency, cycling the prompts: first-use costs (an engine compiles
     and caches kernels per new shape; a speculative step verifies new token counts) are paid
     by every mode before any is timed. None = each prompt once (at most 16)."""
     duration_s: float | None = Field(None, gt=0)

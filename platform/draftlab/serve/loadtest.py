@@ -27,7 +27,7 @@ import httpx
 import psutil
 
 from draftlab.config import LoadtestConfig
-from draftlab.data.prompts import load_prompts
+from draftlab.data.prompts import Prompt, load_prompts
 from draftlab.vllm_scheduler import REQUEST_K
 
 
@@ -40,6 +40,7 @@ class Outcome:
     spec: dict | None = None
     error: str | None = None
     end_s: float = 0.0  # when it finished (perf_counter)
+    kind: str = "default"  # the prompt's category
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -96,9 +97,9 @@ def replica_rss_mb() -> dict[str, float]:
     return out
 
 
-async def _level(client, cfg: LoadtestConfig, model: str, chats: list[list[dict]], concurrency: int, mode: str,
+async def _level(client, cfg: LoadtestConfig, model: str, chats: list[Prompt], concurrency: int, mode: str,
                  progress: bool = False) -> dict:
-    n = cfg.requests or max(8, 2 * concurrency)
+    n = cfg.requests or max(len(chats), 2 * concurrency)
     todo = iter(range(n)) if cfg.duration_s is None else itertools.count()
     prompts = itertools.cycle(chats)
     outcomes: list[Outcome] = []
@@ -110,8 +111,9 @@ async def _level(client, cfg: LoadtestConfig, model: str, chats: list[list[dict]
         for _ in todo:
             if time.perf_counter() >= deadline:
                 return
-            outcome = await _one(client, cfg, model, next(prompts), mode)
-            outcome.end_s = time.perf_counter()
+            prompt = next(prompts)
+            outcome = await _one(client, cfg, model, prompt.messages, mode)
+            outcome.end_s, outcome.kind = time.perf_counter(), prompt.category
             outcomes.append(outcome)
 
     async def sample_memory():
@@ -167,11 +169,22 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
         "drafted": sum(s["drafted"] for s in specs),  # draft tokens the target verified
         "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
         "error_samples": sorted({o.error for o in outcomes if not o.ok})[:3],
+        # per prompt kind: each request's own output tokens/s (completion tokens / latency), averaged
+        "by_kind": {kind: {"requests": len(rows), "request_tokens_per_s": statistics.fmean(
+            o.completion_tokens / o.latency_s for o in rows)} for kind, rows in _by_kind(ok).items()},
     }
 
 
+def _by_kind(outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
+    out: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        if o.latency_s > 0:
+            out.setdefault(o.kind, []).append(o)
+    return dict(sorted(out.items()))
+
+
 async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
-    chats = [p.messages for p in load_prompts(cfg.prompts)]
+    chats = load_prompts(cfg.prompts)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4)
     async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout_s,
@@ -184,7 +197,7 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
         warm = min(len(chats), 16) if cfg.warmup is None else cfg.warmup
         for mode in cfg.speculation if warm else ():
             await _level(client, cfg.model_copy(update={"requests": warm, "duration_s": None}), model, chats,
-                         min(cfg.concurrency[0], warm), mode)
+                         min(max(cfg.concurrency), warm), mode)
         levels = []
         for c in cfg.concurrency:
             for mode in cfg.speculation:
@@ -212,4 +225,6 @@ def format_row(r: dict) -> str:
 
     return (f"c={r['concurrency']:<3} spec={r['speculation']:<6} req/s {s(r['requests_per_s'])}  tok/s "
             f"{s(r['output_tokens_per_s'])}  ttft p50/p95 {s(r['ttft_p50_s'])}/{s(r['ttft_p95_s'])} s  latency "
-            f"p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  errors {r['errors']}")
+            f"p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  errors {r['errors']}"
+            + ("\n      per request tok/s by kind: " + ", ".join(
+                f"{k} {v['request_tokens_per_s']:.1f}" for k, v in r["by_kind"].items()) if r.get("by_kind") else ""))
