@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=_ints, default="", help="vllm_*: also measure each method under load at "
                    "these levels (comma list, e.g. 1,4,16) and print the verdict: the configuration to deploy and its "
                    "batch-size schedule of draft tokens")
+    b.add_argument("--load-all", action="store_true", help="--concurrency: measure every method under load, not "
+                   "only the finalists (vllm_ar and the methods faster than it one request at a time)")
     b.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
 
     p = sub.add_parser("profile", help="target verify cost and drafter cost on this hardware (JSON)")
@@ -472,7 +474,7 @@ def _bench(a: argparse.Namespace) -> None:
         ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to,
                         extend=a.ngram_extend),
         vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction, draft_lengths=a.vllm_draft_lengths),
-        concurrency=a.concurrency,
+        concurrency=a.concurrency, load_all=a.load_all,
     )
     report = run_bench(cfg)
     print(render_table(report))
