@@ -21,14 +21,15 @@ from draftlab.vllm_scheduler import (
 
 
 @pytest.mark.parametrize(("levels", "drafts", "expected"), [
-    ([1, 4, 16], [True, True, False], [[1, 8, 3], [9, 1024, 0]]),
-    ([1, 4, 16], [True, False, False], [[1, 2, 3], [3, 1024, 0]]),
-    ([1, 4, 16], [False, True, True], [[1, 2, 0], [3, 1024, 3]]),
-    ([1, 4, 16], [True, False, True], [[1, 2, 3], [3, 8, 0], [9, 1024, 3]]),
+    ([1, 4, 16], [True, True, False], [[1, 4, 3], [5, 1024, 0]]),
+    ([1, 4, 16], [True, False, False], [[1, 1, 3], [2, 1024, 0]]),
+    ([1, 4, 16], [False, True, True], [[1, 3, 0], [4, 1024, 3]]),
+    ([1, 4, 16], [True, False, True], [[1, 1, 3], [2, 15, 0], [16, 1024, 3]]),
     ([1], [True], [[1, 1024, 3]]),
-    ([2, 8], [True, False], [[1, 4, 3], [5, 1024, 0]]),  # the first range always starts at 1
+    ([1, 4, 16, 64], [True, True, True, False], [[1, 16, 3], [17, 1024, 0]]),
+    ([2, 8], [True, False], [[1, 2, 3], [3, 1024, 0]]),  # the first range always starts at 1
 ])
-def test_schedule_splits_between_levels_at_their_geometric_mean(levels, drafts, expected):
+def test_schedule_drafts_between_won_levels_only(levels, drafts, expected):
     assert schedule(levels, drafts, 3) == expected
 
 
@@ -52,7 +53,7 @@ def test_the_fastest_contender_is_served_and_drafts_only_where_it_won():
     v = verdict(r, BenchConfig())
     assert v["served"] == "vllm_draftlab" and v["speedup_vs_vllm_ar"] == 1.5
     assert v["deploy"] == {"speculation": "on", "method": "drafter", "num_speculative_tokens": 3,
-                           "prompt_lookup": "off", "schedule": [[1, 8, 3], [9, 1024, 0]]}
+                           "prompt_lookup": "off", "schedule": [[1, 4, 3], [5, 1024, 0]]}
     assert [row["drafts"] for row in v["levels"]] == [True, True, False]
     assert "trained drafter" in v["reason"]
 
@@ -71,7 +72,7 @@ def test_lookups_engine_schedules_the_tokens_it_drafts_a_step():
                 "vllm_draftlab_ngram": {1: 16, 4: 29}}, lookups=True)
     v = verdict(r, BenchConfig())
     assert v["deploy"]["prompt_lookup"] == "on" and v["deploy"]["num_speculative_tokens"] == 3
-    assert v["deploy"]["schedule"] == [[1, 2, 5], [3, 1024, 0]]
+    assert v["deploy"]["schedule"] == [[1, 1, 5], [2, 1024, 0]]
 
 
 def test_a_built_in_method_that_wins_is_said_plainly_and_deployed():
@@ -85,7 +86,7 @@ def test_suffix_is_deployed_with_a_schedule_that_stops_drafting_where_it_lost_un
     """vLLM's suffix proposer takes no schedule; draftlab's scheduler applies it (`with_schedule`)."""
     r = _report({"vllm_ar": 10, "vllm_suffix": 12}, {"vllm_ar": {1: 10, 16: 60}, "vllm_suffix": {1: 12, 16: 55}})
     v = verdict(r, BenchConfig())
-    assert v["served"] == "vllm_suffix" and v["deploy"]["schedule"] == [[1, 4, 24], [5, 1024, 0]]
+    assert v["served"] == "vllm_suffix" and v["deploy"]["schedule"] == [[1, 1, 24], [2, 1024, 0]]
     assert [row["drafts"] for row in v["levels"]] == [True, False]
 
 

@@ -7,14 +7,12 @@ which batch-size schedule of draft tokens.
 The served configuration is the contender with the most tokens/s one request at a time over
 all the bench's prompts (`vllm_ar` included: when target-only decoding wins, the verdict says
 so and deploys it). Its schedule comes from the load levels: at each measured level it drafts
-its k where it beat `vllm_ar` at that level and 0 where it lost; batch sizes between two levels
-take the nearer one (split at their geometric mean), and vLLM's `num_speculative_tokens_per_
-batch_size` carries the last range to any batch size.
+its k where it beat `vllm_ar` at that level and 0 where it lost; batch sizes between two won
+levels draft, those between a won and a lost one do not (`schedule`), and the last range
+reaches any batch size.
 """
 
 from __future__ import annotations
-
-import math
 
 MAX_BATCH = 1024  # the schedule's last range ends here (vLLM carries it on past max_num_seqs anyway)
 SUFFIX_DEPTH = 24  # vLLM's default suffix_decoding_max_tree_depth: suffix drafting's k when none is set
@@ -31,19 +29,25 @@ def add_load_speedups(load: dict[str, dict[str, dict]]) -> dict[str, dict[str, d
 
 
 def schedule(levels: list[int], drafts: list[bool], k: int, max_batch: int = MAX_BATCH) -> list[list[int]]:
-    """Inclusive [first, last, k or 0] batch-size ranges: level i's range reaches from the
-    geometric mean with the level below to the one with the level above, and it drafts k where
-    `drafts[i]`; neighbouring ranges of the same k merge.
+    """Inclusive [first, last, k or 0] batch-size ranges: it drafts k at the batch sizes from
+    one level it won (`drafts[i]`) to the next it won, and 0 elsewhere: between a won and a lost
+    level it does not draft (drafting that costs throughput under load is the worse error);
+    neighbouring ranges of the same k merge, and the last range reaches `max_batch`.
 
     >>> schedule([1, 4, 16], [True, True, False], 3)
-    [[1, 8, 3], [9, 1024, 0]]
+    [[1, 4, 3], [5, 1024, 0]]
     """
     if len(levels) != len(drafts) or not levels:
         raise ValueError(f"one draft decision per level: {levels} vs {drafts}")
     out: list[list[int]] = []
     first = 1
     for i, c in enumerate(levels):
-        last = max_batch if i == len(levels) - 1 else max(c, math.floor(math.sqrt(c * levels[i + 1])))
+        if i == len(levels) - 1:
+            last = max_batch
+        elif drafts[i] and not drafts[i + 1]:  # nothing measured between a won and a lost level: 0 there
+            last = c
+        else:
+            last = levels[i + 1] - 1
         n = k if drafts[i] else 0
         if out and out[-1][2] == n:
             out[-1][1] = last
