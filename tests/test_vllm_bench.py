@@ -97,7 +97,8 @@ def test_bench_report_has_the_vllm_fields(report):
     m = report["methods"]
     vllm = VLLM
     assert list(m) == ["ar", *MEASURED]  # vllm_ar joins any vllm_* method
-    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": MEASURED, "warmup_requests": 1}
+    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": MEASURED, "warmup_requests": 1,
+                                    "warmup_batch": 3}
     assert report["vllm_ar_matches_ar"] is True
     assert report["vllm_greedy_checked"] is True
     assert report["vllm_greedy_identical"] is True and report["vllm_greedy_mismatches"] == []

@@ -254,7 +254,8 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
         "vllm_greedy_checked": params.greedy and bool(vllm_spec),
         "vllm_greedy_mismatches": mismatches,
         "vllm_ar_matches_ar": params.greedy and "vllm_ar" in runs and [r.tokens for _, r in runs["vllm_ar"]] == ar_tokens,
-        "vllm_order": {"interleaved": methods, "blocks": list(vllm_runs), "warmup_requests": cfg.warmup} if vllm_runs else None,
+        "vllm_order": {"interleaved": methods, "blocks": list(vllm_runs), "warmup_requests": cfg.warmup,
+                       "warmup_batch": len(encoded)} if vllm_runs else None,
         "vllm": vllm_info,
         "torch": torch.__version__,
         "methods": summary,
@@ -394,6 +395,11 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
             for _, ids in encoded[: cfg.warmup]:
                 for extra in engine["methods"].values():
                     run(ids, extra)
+            # and every prompt once, all in flight: an engine's first steps of each new shape run
+            # slower (a cold first prompt measured up to 2x slower), whichever method comes first
+            bar.set_postfix_str(f"{name}: warm-up")
+            llm.generate_closed_loop([ids for _, ids in encoded], len(encoded), params.max_new_tokens,
+                                     temperature=params.temperature, extra_args=next(iter(engine["methods"].values())))
             for m in engine["methods"]:
                 runs[m] = []
             for p, ids in encoded:
