@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///.draftlab/mlflow.db")
     rp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
 
-    g = sub.add_parser("generate", help="regenerate docs/configuration.md, docs/cli.md and infra/k8s/rayservice-*.yaml")
+    g = sub.add_parser("generate", help="regenerate docs/configuration.md, docs/bench-report.md, docs/cli.md and infra/k8s/rayservice-*.yaml")
     g.add_argument("--check", action="store_true", help="write nothing; exit 2 naming the stale files, if any")
 
     ex = sub.add_parser("export", help="write a p-eagle drafter in vLLM's EAGLE-3 / P-EAGLE layout")
