@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from draftlab import cli
+from draftlab import cli, cli_parser
 from draftlab.cli import build_parser, main, package_version
 from draftlab.config import TargetSpec
 
@@ -32,7 +32,7 @@ def test_version_without_the_install_comes_from_pyproject(monkeypatch):
     def missing(name: str) -> str:
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(cli.metadata, "version", missing)
+    monkeypatch.setattr(cli_parser.metadata, "version", missing)
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert package_version() == expected
 

@@ -1,5 +1,5 @@
-"""The generated references (docs/configuration.md from the config models, docs/cli.md from the
-argument parser) are complete and kept in sync; every relative link in README.md and docs/
+"""The generated references (docs/configuration.md from the config models, docs/bench-report.md
+from the bench report's model, docs/cli.md from the argument parser) are complete and kept in sync; every relative link in README.md and docs/
 resolves; the README stays short and opens with the two set-up commands CI runs."""
 
 from __future__ import annotations
@@ -14,13 +14,22 @@ from typing import Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel, Field
 
-from draftlab import cli, docs
+from draftlab import cli_parser, docs
 from draftlab.config import LoadtestConfig, StrictModel
-from draftlab.docs import MODELS, cli_reference, config_reference, load_model, regenerate
+from draftlab.docs import (
+    BENCH_REPORT,
+    MODELS,
+    bench_report_reference,
+    cli_reference,
+    config_reference,
+    load_model,
+    regenerate,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = "docs/configuration.md"
 CLI_DOC = "docs/cli.md"
+REPORT_DOC = "docs/bench-report.md"
 
 
 def walk(model: type[BaseModel], prefix: str = ""):
@@ -151,10 +160,10 @@ def test_check_fails_when_a_model_changes(monkeypatch):
 
 
 def test_check_fails_on_a_tampered_copy_and_regenerate_repairs_it(tmp_path):
-    assert regenerate(check=True, root=tmp_path) == [DOC, CLI_DOC]  # missing
+    assert regenerate(check=True, root=tmp_path) == [DOC, CLI_DOC, REPORT_DOC]  # missing
     (tmp_path / "docs").mkdir()
-    shutil.copy(ROOT / DOC, tmp_path / DOC)
-    shutil.copy(ROOT / CLI_DOC, tmp_path / CLI_DOC)
+    for doc in (DOC, CLI_DOC, REPORT_DOC):
+        shutil.copy(ROOT / doc, tmp_path / doc)
     assert regenerate(check=True, root=tmp_path) == []
     tampered = (tmp_path / DOC).read_text().replace("Peak AdamW learning rate.", "Peak learning rate.")
     (tmp_path / DOC).write_text(tampered)
@@ -174,11 +183,30 @@ def test_configuration_index_links_every_config_kind():
         assert ", ".join(f"`{f}`" for f in load_model(path).model_fields) in line
 
 
+# --- docs/bench-report.md -------------------------------------------------------------------
+
+
+def test_every_bench_report_field_is_in_its_reference_with_its_docstring():
+    text = (ROOT / REPORT_DOC).read_text()
+    assert text == bench_report_reference()
+    model = load_model(BENCH_REPORT)
+    assert model.__doc__.strip().splitlines()[0] in text
+    fields = list(walk(model))
+    assert len(fields) > len(model.model_fields)  # nested objects too
+    for dotted, field in fields:
+        assert field.description, f"{dotted} has no docstring"
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| `{dotted}` |")]
+        assert line.endswith(f"| {' '.join(field.description.split()).replace('|', chr(92) + '|')} |"), dotted
+    for nested in ("methods.<key>.by_category.<key>.tau", "load.<key>.<key>.tokens_per_s", "verdict.levels[].drafts",
+                   "greedy_mismatches[].top2_gap", "versus.<key>.tree"):
+        assert f"| `{nested}` |" in text
+
+
 # --- docs/cli.md ----------------------------------------------------------------------------
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    (action,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    (action,) = [a for a in cli_parser.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(action.choices)
 
 
@@ -212,7 +240,7 @@ def test_cli_reference_has_every_command_and_argument():
 
 
 def test_cli_reference_check_fails_when_the_parser_changes(monkeypatch):
-    build = cli.build_parser
+    build = cli_parser.build_parser
 
     def with_a_new_flag() -> argparse.ArgumentParser:
         parser = build()
@@ -220,7 +248,7 @@ def test_cli_reference_check_fails_when_the_parser_changes(monkeypatch):
         subcommands_action.choices["bench"].add_argument("--new-knob", default=3, help="added without regenerating")
         return parser
 
-    monkeypatch.setattr(cli, "build_parser", with_a_new_flag)
+    monkeypatch.setattr(cli_parser, "build_parser", with_a_new_flag)
     assert regenerate(check=True) == [CLI_DOC]
     assert "| `--new-knob NEW_KNOB` | `3` | added without regenerating |" in cli_reference()
 

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from draftlab.bench_report import BenchReport, ContenderInfo, VllmOrder
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.agreement import describe_mismatches, greedy_match, mismatches
@@ -52,9 +53,11 @@ from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs
 VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram")  # engines' run order
 TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
 BENCH_TREE = "default"  # the tree method's tree without `tree` nor a saved `tree.json`: not a chain
+Runner = Callable[[list[int]], Run]  # prompt ids -> one decoding
+Runs = dict[str, list[tuple[str, Run]]]  # method -> (prompt category, run) per prompt, in prompt order
 
 
-def _engine_runner(fn: Callable, params: SamplingParams) -> Callable[[list[int]], Run]:
+def _engine_runner(fn: Callable, params: SamplingParams) -> Runner:
     def run(prompt: list[int]) -> Run:
         r = fn(prompt, params)
         s = r.stats
@@ -153,52 +156,116 @@ def bench_loaded(
         return _bench(target, drafter, cfg, progress, trees or {}, versus or {}, Path(work))
 
 
+@dataclass(frozen=True)
+class Methods:
+    """The names of the methods our engine (and HF) decode, interleaved prompt by prompt: made
+    once from the config (`_methods`), then read by the runners, the warm-up, the loop, the
+    summary and the report. The `vllm_*` methods are planned apart (`_vllm_plan`)."""
+
+    fixed: list[str]  # `BenchConfig.methods` of ours and HF's, as given (`ar` and vLLM's left out)
+    named: dict[str, Tree]  # `draftlab_tree:<name>` -> one of `trees`, verified by the main drafter
+    versus: dict[str, Contender]  # `draftlab_tree@<name>` -> another drafter with its tree
+
+    @property
+    def interleaved(self) -> list[str]:
+        """Every method, in its order on each prompt: `ar` first."""
+        return ["ar", *self.fixed, *self.named, *self.versus]
+
+    @property
+    def mine(self) -> list[str]:
+        """The methods that decode with the main drafter."""
+        return [m for m in self.fixed if m.startswith("draftlab_")] + list(self.named)
+
+    @property
+    def speculative(self) -> list[str]:
+        """Our engine's speculative methods: greedy, each must reproduce `ar` exactly."""
+        return [m for m in self.interleaved if m.startswith("draftlab_")]
+
+
+def _methods(cfg: BenchConfig, trees: dict[str, Tree], versus: dict[str, Contender]) -> Methods:
+    return Methods(fixed=[m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)],
+                   named={f"draftlab_tree:{name}": tree for name, tree in trees.items()},
+                   versus={f"draftlab_tree@{name}": c for name, c in versus.items()})
+
+
 def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool, trees: dict[str, Tree],
            versus: dict[str, Contender], work: Path) -> dict:
+    """Plan, decode (ours interleaved, then vLLM's blocks), summarise, report (module doc)."""
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
-    ours = [m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)]
-    named = [f"draftlab_tree:{name}" for name in trees]
-    mine = [m for m in ours if m.startswith("draftlab_")] + named  # the main drafter's
-    methods = ["ar"] + ours + named + [f"draftlab_tree@{name}" for name in versus]
-    spec_methods = [m for m in methods if m.startswith("draftlab_")]
-    if mine and drafter is None:
-        raise ValueError(f"methods {mine} need a drafter (--drafter PATH or init:<family>)")
+    methods = _methods(cfg, trees, versus)
+    if methods.mine and drafter is None:
+        raise ValueError(f"methods {methods.mine} need a drafter (--drafter PATH or init:<family>)")
     encoded = [(p, target.encode_prompt(p.messages)) for p in prompts]
     saved = _drafter_dir(cfg)  # listed once: an s3:// drafter's mirror is synced per call
     vllm_plan = _vllm_plan(target, drafter, cfg, saved, encoded, work)  # before any decoding: fail fast
 
-    runners: dict[str, Callable[[list[int]], Run]] = {
-        "ar": _engine_runner(lambda p, sp: autoregressive_generate(target, p, sp), params),
-    }
-    if "hf_generate" in methods:
-        runners["hf_generate"] = hf_runner(target, params)
-    if "hf_prompt_lookup" in methods:
-        runners["hf_prompt_lookup"] = hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
-    tree, k = None, cfg.k
-    if mine:
-        k = cfg.k or drafter.cfg.k
-        if set(TREE_METHODS) & set(methods):
-            tree = resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE)
-        store = NgramStore.beside(saved)  # lookups where the text has no match
+    tree = resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE) if (
+        methods.mine and set(TREE_METHODS) & set(methods.interleaved)) else None
+    k = (cfg.k or drafter.cfg.k) if methods.mine else cfg.k
+    runners = _runners(target, drafter, cfg, params, methods, tree, k, saved)
+    runs = _interleave(runners, methods.interleaved, encoded, cfg.warmup, progress)
+    vllm_runs, vllm_info, load = _run_vllm(vllm_plan, target, cfg, params, encoded, progress)
+    runs |= vllm_runs
 
-        def decoder(verified: Tree) -> Callable[[list[int]], Run]:
-            return _engine_runner(SpeculativeDecoder(target, drafter, verified, store).generate, params)
+    report = BenchReport(
+        target=target.name,
+        drafter=cfg.drafter if methods.mine or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
+        device=describe_device(target.device), prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
+        **_greedy_checks(target, encoded, runs, methods, list(vllm_runs), params.greedy),
+        temperature=cfg.temperature, k=k, tree=tree.name if tree else None,
+        tree_nodes=tree.num_nodes if tree else None,
+        drafter_parameters=drafter.num_parameters() if drafter else None,
+        drafter_head_coverage=head_coverage(drafter, runs["ar"]) if drafter else None,
+        versus={name: ContenderInfo(tree=c.tree.name, tree_nodes=c.tree.num_nodes, k=c.drafter.cfg.k,
+                                    drafter_parameters=c.drafter.num_parameters()) for name, c in versus.items()},
+        vllm_order=VllmOrder(interleaved=methods.interleaved, blocks=list(vllm_runs), warmup_requests=cfg.warmup,
+                             warmup_batch=len(encoded))
+        if vllm_runs else None,
+        vllm=vllm_info, torch=torch.__version__, methods=_summary(runs, params.greedy, bool(vllm_runs)),
+        # each vLLM method under load: {method: {level: tokens/s, tau, speedup_vs_vllm_ar}}
+        load=add_load_speedups(load) if load else None,
+    )
+    if vllm_runs:  # what to deploy: the fastest served configuration, with its batch-size schedule
+        report.verdict = verdict(report.model_dump(), cfg)
+    out = report.model_dump()
+    if cfg.json_out:
+        Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.json_out).write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
-        for m, shape in (("draftlab_chain", Tree.chain(k)), ("draftlab_tree", tree)):
-            for name, verified in ((m, shape), (f"{m}_ngram", shape and shape.with_ngram(cfg.ngram))):
-                if name in methods:
-                    runners[name] = decoder(verified)
-        for name, named in trees.items():
-            runners[f"draftlab_tree:{name}"] = decoder(named)
-    for name, c in versus.items():
-        runners[f"draftlab_tree@{name}"] = _engine_runner(SpeculativeDecoder(target, c.drafter, c.tree, c.store).generate, params)
 
-    for _, ids in encoded[: cfg.warmup]:  # untimed: first-call allocations, lazy inits
+def _runners(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, params: SamplingParams, methods: Methods,
+             tree: Tree | None, k: int | None, saved: Path | None) -> dict[str, Runner]:
+    """One runner per interleaved method: prompt ids -> `Run`."""
+
+    def decoder(d: DrafterNet, verified: Tree, store: NgramStore | None) -> Runner:
+        return _engine_runner(SpeculativeDecoder(target, d, verified, store).generate, params)
+
+    runners = {"ar": _engine_runner(lambda p, sp: autoregressive_generate(target, p, sp), params)}
+    store = NgramStore.beside(saved) if methods.mine else None  # lookups where the text has no match
+    for m in methods.fixed:
+        if m == "hf_generate":
+            runners[m] = hf_runner(target, params)
+        elif m == "hf_prompt_lookup":
+            runners[m] = hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
+        else:  # draftlab_chain, draftlab_tree, and each with `_ngram` grafts
+            shape = Tree.chain(k) if m.startswith("draftlab_chain") else tree
+            runners[m] = decoder(drafter, shape.with_ngram(cfg.ngram) if m.endswith("_ngram") else shape, store)
+    for m, named in methods.named.items():
+        runners[m] = decoder(drafter, named, store)
+    for m, c in methods.versus.items():
+        runners[m] = decoder(c.drafter, c.tree, c.store)
+    return runners
+
+
+def _interleave(runners: dict[str, Runner], methods: list[str], encoded: list, warmup: int, progress: bool) -> Runs:
+    """The warm-up (untimed: first-call allocations, lazy inits), then every method on each
+    prompt in turn, so machine noise hits them alike."""
+    for _, ids in encoded[:warmup]:
         for m in methods:
             runners[m](ids)
-
-    runs: dict[str, list[tuple[str, Run]]] = {m: [] for m in methods}
+    runs: Runs = {m: [] for m in methods}
     bar = tqdm(total=len(encoded) * len(methods), desc="bench", disable=not progress, unit="run")
     for p, ids in encoded:
         for m in methods:
@@ -206,68 +273,46 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
             runs[m].append((p.category, runners[m](ids)))
             bar.update()
     bar.close()
-    vllm_runs, vllm_info, load = _run_vllm(vllm_plan, target, cfg, params, encoded, progress)
-    runs |= vllm_runs
+    return runs
 
+
+def _summary(runs: Runs, greedy: bool, vllm: bool) -> dict[str, dict]:
+    """{method: its figures (`_summarise`), greedy agreement with `ar` and speedups}."""
     ar_tokens = [r.tokens for _, r in runs["ar"]]
-    identical = params.greedy and all(
-        [r.tokens for _, r in runs[m]] == ar_tokens for m in spec_methods
-    ) and bool(spec_methods)
     summary = {m: _summarise(rs) for m, rs in runs.items()}
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
-        summary[m] |= (
-            greedy_match(ar_tokens, [r.tokens for _, r in rs])
-            if params.greedy
-            else {"greedy_match_rate": None, "greedy_token_match_rate": None}
-        )
+        summary[m] |= (greedy_match(ar_tokens, [r.tokens for _, r in rs]) if greedy
+                       else {"greedy_match_rate": None, "greedy_token_match_rate": None})
     _add_speedups(summary, "ar")
-    if vllm_runs:
+    if vllm:
         _add_speedups(summary, "vllm_ar")
-    vllm_spec = [m for m in vllm_runs if m != "vllm_ar"]
-    ours_mismatches = greedy_mismatches(target, encoded, runs, "ar", [m for m in methods if m != "ar"]) if params.greedy else []
-    mismatches = greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec) if params.greedy and vllm_spec else []
-    report = {
-        "target": target.name,
-        "drafter": cfg.drafter if mine or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
-        "device": describe_device(target.device),
-        "prompts": len(prompts),
-        "max_new_tokens": cfg.max_new_tokens,
-        "greedy_identical": identical,
-        "greedy_checked": params.greedy and bool(spec_methods),
-        "temperature": cfg.temperature,
-        "k": k,
-        "tree": tree.name if tree else None,
-        "tree_nodes": tree.num_nodes if tree else None,
-        "drafter_parameters": drafter.num_parameters() if drafter else None,
-        "drafter_head_coverage": head_coverage(drafter, runs["ar"]) if drafter else None,
-        "versus": {name: {"tree": c.tree.name, "tree_nodes": c.tree.num_nodes, "k": c.drafter.cfg.k,
-                          "drafter_parameters": c.drafter.num_parameters()} for name, c in versus.items()},
-        "hf_generate_matches_ar": (
-            params.greedy and "hf_generate" in runs and [r.tokens for _, r in runs["hf_generate"]] == ar_tokens
-        ),
+    return summary
+
+
+def _greedy_checks(target: Target, encoded: list, runs: Runs, methods: Methods, vllm: list[str], greedy: bool) -> dict:
+    """The report's greedy agreement fields: ours and HF's against `ar`, vLLM's with speculation
+    against `vllm_ar`, `vllm_ar` against `ar` (all False / empty when sampling)."""
+    ar_tokens = [r.tokens for _, r in runs["ar"]]
+
+    def same(m: str) -> bool:
+        return greedy and m in runs and [r.tokens for _, r in runs[m]] == ar_tokens
+
+    spec, vllm_spec = methods.speculative, [m for m in vllm if m != "vllm_ar"]
+    found = greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec) if greedy and vllm_spec else []
+    return {
+        "greedy_identical": greedy and all(same(m) for m in spec) and bool(spec),
+        "greedy_checked": greedy and bool(spec),
+        "hf_generate_matches_ar": same("hf_generate"),
         # our engine's and HF's methods vs `ar`, greedy: where each output first leaves `ar`'s
         # and the target's logit margin there (`agreement.near_tie`), so ties can be told from bugs
-        "greedy_mismatches": ours_mismatches,
+        "greedy_mismatches": greedy_mismatches(target, encoded, runs, "ar", methods.interleaved[1:]) if greedy else [],
         # vLLM with speculation vs vLLM target-only, greedy: mismatches name method, prompt
         # index and first differing token position.
-        "vllm_greedy_identical": params.greedy and bool(vllm_spec) and not mismatches,
-        "vllm_greedy_checked": params.greedy and bool(vllm_spec),
-        "vllm_greedy_mismatches": mismatches,
-        "vllm_ar_matches_ar": params.greedy and "vllm_ar" in runs and [r.tokens for _, r in runs["vllm_ar"]] == ar_tokens,
-        "vllm_order": {"interleaved": methods, "blocks": list(vllm_runs), "warmup_requests": cfg.warmup,
-                       "warmup_batch": len(encoded)} if vllm_runs else None,
-        "vllm": vllm_info,
-        "torch": torch.__version__,
-        "methods": summary,
-        # each vLLM method under load: {method: {level: tokens/s, tau, speedup_vs_vllm_ar}}
-        "load": add_load_speedups(load) if load else None,
+        "vllm_greedy_identical": greedy and bool(vllm_spec) and not found,
+        "vllm_greedy_checked": greedy and bool(vllm_spec),
+        "vllm_greedy_mismatches": found,
+        "vllm_ar_matches_ar": same("vllm_ar"),
     }
-    if vllm_runs:  # what to deploy: the fastest served configuration, with its batch-size schedule
-        report["verdict"] = verdict(report, cfg)
-    if cfg.json_out:
-        Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")
-    return report
 
 
 def head_coverage(drafter: DrafterNet, ar_runs: list[tuple[str, Run]]) -> dict:

@@ -1,10 +1,12 @@
-"""Reference docs generated from the code: `docs/configuration.md` from the pydantic models,
-`docs/cli.md` from the command-line parser.
+"""Reference docs generated from the code: `docs/configuration.md` from the pydantic config
+models, `docs/bench-report.md` from the bench report's model, `docs/cli.md` from the
+command-line parser.
 
 Each top-level config model becomes one table of its fields, nested sections flattened to
 dotted names (`train.lr`), with the type (Literal = the allowed values), constraints,
-default and the field's docstring. Each command becomes its usage and a table of its
-arguments. `draftlab generate` writes both; `--check` fails on drift.
+default and the field's docstring; the report's model the same table without defaults. Each
+command becomes its usage and a table of its arguments. `draftlab generate` writes them all;
+`--check` fails on drift.
 """
 
 from __future__ import annotations
@@ -143,6 +145,27 @@ def config_reference(models: Sequence[tuple[str, str, str]] = MODELS) -> str:
     return "\n".join(out) + "\n"
 
 
+BENCH_REPORT = "draftlab.bench_report:BenchReport"
+
+
+def bench_report_reference(path: str = BENCH_REPORT) -> str:
+    """Markdown reference of the bench report's JSON: the model's docstring and a
+    `field | type | description` table, nested objects as dotted names."""
+    model = load_model(path)
+    out = ["# Bench report reference", "", HEADER, "",
+           "What `draftlab bench --json FILE` writes (and `run_bench` returns): also `bench.json` of a "
+           "distillation run (MLflow) and of the pipeline's compare stage. Every object is validated "
+           "against its model before it is written, so no key appears that is not listed here. A dotted "
+           "name is a key in a nested object; `<key>` marks the keys of a mapping (a method, a prompt "
+           "category, a load level, a drafter path) and `[]` the items of a list.", "",
+           f"## `{path.partition(':')[2]}`", ""]
+    if model.__doc__:
+        out += [inspect.cleandoc(model.__doc__), ""]
+    out += ["| field | type | description |", "| --- | --- | --- |"]
+    out += [f"| `{name}` | {_cell(kind)} | {_cell(doc)} |" for name, kind, _, doc in _rows(model)]
+    return "\n".join(out) + "\n"
+
+
 CLI_WIDTH = 100  # usage lines are wrapped at this width, whatever the terminal that runs `generate`
 
 
@@ -187,7 +210,7 @@ def _prose(text: str) -> str:
 def cli_reference() -> str:
     """Markdown reference of the `draftlab` command: the top-level help, then per command its
     usage and a `argument | default | description` table."""
-    from draftlab.cli import build_parser  # noqa: PLC0415 -- draftlab.cli imports this module
+    from draftlab.cli_parser import build_parser  # noqa: PLC0415 -- argparse and configs, only for this file
 
     parser = build_parser()
     commands = _subcommands(parser)
@@ -208,7 +231,8 @@ def cli_reference() -> str:
     return "\n".join(out) + "\n"
 
 
-GENERATED: dict[str, Callable[[], str]] = {"docs/configuration.md": config_reference, "docs/cli.md": cli_reference}
+GENERATED: dict[str, Callable[[], str]] = {"docs/configuration.md": config_reference, "docs/cli.md": cli_reference,
+                                           "docs/bench-report.md": bench_report_reference}
 """Generated files (relative to the repository root) and what renders each."""
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from draftlab.config import SamplingParams
-from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate, step_many
+from draftlab.decoding.engine import Block, SpeculativeDecoder, autoregressive_generate, step_many
 from draftlab.decoding.tree import Tree, load_tree
 from draftlab.models.drafters.build import init_drafter
 from oracle import OracleDrafter
@@ -135,3 +135,11 @@ def test_batched_rounds_equal_target_only(tiny, tiny_prompts, tree):
     for i, (ids, s) in enumerate(zip(prompts, sessions, strict=True)):
         ref = autoregressive_generate(tiny, ids, SamplingParams(max_new_tokens=30 + 7 * i))
         assert s.result().tokens == ref.tokens
+
+
+def test_block_fields_are_named_at_construction():
+    """A `Block` has seven fields, three often None: positional construction is refused."""
+    fields = dict(ids=None, positions=None, rows=[1], tree=None, draft_logits=None, sampled_drafts=None, draft_s=0.0)
+    assert Block(**fields).rows == [1]
+    with pytest.raises(TypeError):
+        Block(*fields.values())

@@ -48,3 +48,12 @@ def test_good_requests_and_defaults():
     assert comp.prompt == [1, 2, 3] and comp.requested_max_tokens == 5
     with pytest.raises(APIError, match="several prompts"):
         parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": ["a", "b"]}).encode())
+
+
+def test_api_error_takes_its_details_by_keyword():
+    """Status and message positional, the rest named: `APIError(400, msg, None, "x")` is refused."""
+    e = APIError(400, "bad", param="prompt", code="invalid_type")
+    assert e.status == 400 and e.body() == {"error": {"message": "bad", "type": "invalid_request_error",
+                                                      "param": "prompt", "code": "invalid_type"}}
+    with pytest.raises(TypeError):
+        APIError(400, "bad", "prompt", "invalid_type")

@@ -4,6 +4,7 @@ request's failure or cancellation does not disturb the others."""
 
 from __future__ import annotations
 
+import pickle
 import queue
 
 import pytest
@@ -12,6 +13,7 @@ from draftlab.config import SamplingParams
 from draftlab.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from draftlab.decoding.tree import load_tree
 from draftlab.models.drafters.build import init_drafter
+from draftlab.serve.events import Accepted, Delta, Done, EngineEvent, Failed
 from draftlab.serve.policy import EXPLORE_EVERY, SpeculationPolicy
 from draftlab.serve.scheduler import Scheduler
 
@@ -27,13 +29,17 @@ def collect(sched: Scheduler, prompt, params, speculation=None):
     return q, sched.submit(prompt, params, q.put, speculation)
 
 
-def drain(q: queue.Queue, timeout: float = 60.0) -> list[dict]:
+def drain(q: queue.Queue, timeout: float = 60.0) -> list[EngineEvent]:
     events = []
     while True:
         e = q.get(timeout=timeout)
         events.append(e)
-        if "done" in e or "error" in e:
+        if isinstance(e, Done | Failed):
             return events
+
+
+def streamed(events: list[EngineEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, Delta))
 
 
 def crossover_policy(rows: int) -> SpeculationPolicy:
@@ -65,15 +71,16 @@ def test_concurrent_requests_equal_target_only(tiny, tiny_prompts, decoder, spec
         events = drain(q)
         ref = autoregressive_generate(tiny, ids, params)
         done = events[-1]
-        assert "".join(e.get("delta", "") for e in events) == ref.text
-        assert done["completion_tokens"] == len(ref.tokens) and done["finish_reason"] == ref.finish_reason
-        drafted_rounds = done["stats"]["drafted"] / decoder.tree.num_nodes
+        assert streamed(events) == ref.text
+        assert isinstance(done, Done) and all(isinstance(e, Delta) for e in events[:-1])
+        assert done.completion_tokens == len(ref.tokens) and done.finish_reason == ref.finish_reason
+        drafted_rounds = done.stats["drafted"] / decoder.tree.num_nodes
         if speculation == "off":
             assert drafted_rounds == 0
         elif speculation == "on" or max_active == 2:
             assert drafted_rounds > 0
         else:  # 12 requests at once: the policy's plain steps, bar exploration rounds
-            assert drafted_rounds <= 1 + done["stats"]["rounds"] / EXPLORE_EVERY
+            assert drafted_rounds <= 1 + done.stats["rounds"] / EXPLORE_EVERY
     sched.shutdown()
 
 
@@ -83,9 +90,8 @@ def test_stop_string_is_never_streamed(tiny, tiny_prompts, decoder):
     stop = free[10:13]
     sched = Scheduler(decoder, "on")
     q, _ = collect(sched, ids, SamplingParams(max_new_tokens=40, stop=[stop]))
-    events = drain(q)
-    streamed = "".join(e.get("delta", "") for e in events)
-    assert streamed == free[: free.find(stop)] and stop not in streamed
+    text = streamed(drain(q))
+    assert text == free[: free.find(stop)] and stop not in text
     sched.shutdown()
 
 
@@ -96,15 +102,14 @@ def test_cancelled_and_failing_requests_leave_the_others_alone(tiny, tiny_prompt
     q_cancel, t_cancel = collect(sched, tiny_prompts[1], SamplingParams(max_new_tokens=2000))
     q_ok, _ = collect(sched, tiny_prompts[2], params)
     t_cancel.cancel()
-    assert "error" in drain(q_bad)[-1]
-    events = drain(q_ok)
-    assert "".join(e.get("delta", "") for e in events) == autoregressive_generate(tiny, tiny_prompts[2], params).text
+    assert isinstance(drain(q_bad)[-1], Failed)
+    assert streamed(drain(q_ok)) == autoregressive_generate(tiny, tiny_prompts[2], params).text
     assert sched.alive and sched.num_active == 0
     # the cancelled request was dropped: no more events, never finished, far from its 2000 tokens
     cancelled = []
     while not q_cancel.empty():
         cancelled.append(q_cancel.get_nowait())
-    assert not any("done" in e or "error" in e for e in cancelled) and len(cancelled) < 2000
+    assert not any(isinstance(e, Done | Failed) for e in cancelled) and len(cancelled) < 2000
     assert t_cancel.session is None or not t_cancel.session.done
     sched.shutdown()
     assert not sched.alive
@@ -115,8 +120,8 @@ def test_shutdown_fails_what_cannot_finish(tiny_prompts, decoder):
     q_running, _ = collect(sched, tiny_prompts[0], SamplingParams(max_new_tokens=4000))
     q_waiting, _ = collect(sched, tiny_prompts[1], SamplingParams(max_new_tokens=5))
     sched.shutdown(timeout=0.5)
-    assert drain(q_waiting)[-1] == {"error": "the server is shutting down"}
-    assert "error" in drain(q_running)[-1]
+    assert drain(q_waiting)[-1] == Failed("the server is shutting down")
+    assert isinstance(drain(q_running)[-1], Failed)
     assert not sched.alive
     with pytest.raises(RuntimeError, match="shutting down"):
         sched.submit(tiny_prompts[0], SamplingParams(), lambda e: None)
@@ -130,8 +135,18 @@ def test_a_seed_reproduces_a_sample_whatever_the_load(tiny_prompts, decoder):
         sched = Scheduler(decoder, "auto", policy=crossover_policy(decoder.tree.num_nodes + 1))
         others = [collect(sched, tiny_prompts[1], SamplingParams(max_new_tokens=25)) for _ in range(load)]
         q, _ = collect(sched, tiny_prompts[0], params)
-        texts.append("".join(e.get("delta", "") for e in drain(q)))
+        texts.append(streamed(drain(q)))
         for oq, _ in others:
             drain(oq)
         sched.shutdown()
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("event", [Accepted(prompt_tokens=7), Delta(text="héllo", tokens=3),
+                                   Done(finish_reason="length", stats={"rounds": 2, "tau": 1.5},
+                                        completion_tokens=4, queued_s=0.01),
+                                   Failed("boom"), Failed("too long", status=400, param="prompt", code="context_length_exceeded")])
+def test_events_survive_pickling(event):
+    """The events cross the Ray actor boundary (engine replica -> ingress) pickled."""
+    again = pickle.loads(pickle.dumps(event))
+    assert again == event and type(again) is type(event)

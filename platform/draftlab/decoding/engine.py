@@ -99,7 +99,7 @@ class GenerationResult:
     stats: DecodeStats
 
 
-@dataclass
+@dataclass(kw_only=True)  # seven fields, three of them often None: named at every call
 class Block:
     """What one round hands the target: tokens, positions and the keys each row sees
     (`verify_plan`), plus what acceptance needs afterwards."""
@@ -235,8 +235,8 @@ class Session:
         tree, dev = dec.tree, dec.target.device
         t0 = time.perf_counter()
         if not speculate:  # a plain decode step: the root alone, through the same verify attention
-            return Block(torch.tensor([self.root], device=dev), torch.tensor([self.ctx], device=dev),
-                         [self.ctx + 1], None, None, None, 0.0)
+            return Block(ids=torch.tensor([self.root], device=dev), positions=torch.tensor([self.ctx], device=dev),
+                         rows=[self.ctx + 1], tree=None, draft_logits=None, sampled_drafts=None, draft_s=0.0)
         sample_drafts = tree.is_chain and not params.greedy
 
         def pick(j: int, logits: torch.Tensor) -> int:
@@ -263,10 +263,11 @@ class Session:
                 shape, nodes = grown, torch.tensor(ids, device=dev)
         if shape is tree:  # the static tree's buffers, built once
             rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
-            return Block(nodes, self.ctx + dec._depths, rows, tree, dlogits, sample_drafts, time.perf_counter() - t0)
+            return Block(ids=nodes, positions=self.ctx + dec._depths, rows=rows, tree=tree, draft_logits=dlogits,
+                         sampled_drafts=sample_drafts, draft_s=time.perf_counter() - t0)
         ancestors, counts = (t.to(dev) for t in shape.ancestor_rows)
-        return Block(nodes, self.ctx + shape.depths.to(dev), verify_plan(shape, self.ctx, ancestors, counts), shape,
-                     dlogits, False, time.perf_counter() - t0)
+        return Block(ids=nodes, positions=self.ctx + shape.depths.to(dev), rows=verify_plan(shape, self.ctx, ancestors, counts),
+                     tree=shape, draft_logits=dlogits, sampled_drafts=False, draft_s=time.perf_counter() - t0)
 
     @torch.inference_mode()
     def accept(self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float) -> None:

@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from draftlab.cluster import ensure_ray, output_dir, storage_uri
 from draftlab.config import DistillConfig
 from draftlab.data.selfdistill import load_or_generate
+from draftlab.distill.payload import WorkerPayload
 from draftlab.distill.worker import train_fn_per_worker
 from draftlab.storage import is_uri, publish
 from draftlab.submit import check_hub_access
@@ -38,11 +39,12 @@ def train_and_publish(config: dict) -> dict:
     """`train_fn_per_worker`; with a URI `output_dir`, the worker writes the drafter directory
     (weights, tree.json, tree-search.json, training.json) into a local staging directory
     and rank 0 publishes it to the URI once it is complete."""
-    dest = config["output_dir"]
+    payload = WorkerPayload.model_validate(config)
+    dest = payload.output_dir
     if not is_uri(dest):
         return train_fn_per_worker(config)
     with tempfile.TemporaryDirectory(prefix="draftlab-drafter-") as staging:
-        summary = train_fn_per_worker({**config, "output_dir": staging})
+        summary = train_fn_per_worker(payload.model_copy(update={"output_dir": staging}).model_dump())
         if ray.train.get_context().get_world_rank() == 0:
             publish(staging, dest)
     return summary
@@ -55,13 +57,9 @@ def build_trainer(
     sc = cfg.scaling
     return TorchTrainer(
         train_and_publish,
-        train_loop_config={
-            "cfg": cfg.model_dump(),
-            "data_path": data_path,
-            "mlflow_run_id": mlflow_run_id,
-            "tracking_uri": tracking_uri,
-            "output_dir": output_dir(cfg),
-        },
+        # a plain dict (Ray Train's contract): the worker validates it back (`train_fn_per_worker`)
+        train_loop_config=WorkerPayload(cfg=cfg, data_path=data_path, mlflow_run_id=mlflow_run_id,
+                                        tracking_uri=tracking_uri, output_dir=output_dir(cfg)).model_dump(),
         scaling_config=ray.train.ScalingConfig(
             num_workers=sc.num_workers,
             use_gpu=sc.use_gpu,

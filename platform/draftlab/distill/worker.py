@@ -28,7 +28,6 @@ import ray.train
 import ray.train.torch
 import torch
 
-from draftlab.config import DistillConfig
 from draftlab.data.selfdistill import training_view
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
 from draftlab.distill.drafter_setup import build_drafter, usable_features
@@ -42,6 +41,7 @@ from draftlab.distill.evaluation import (
 from draftlab.distill.finalize import finish
 from draftlab.distill.loader import Step, TrainStream, batch_stream, epoch_batches
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward, teacher_states
+from draftlab.distill.payload import WorkerPayload
 from draftlab.distill.precision import (
     apply_matmul_precision,
     autocast_context,
@@ -83,9 +83,9 @@ class DistillRecipe:
     training seconds: every rank takes the same lr and stop decisions).
     """
 
-    def __init__(self, config: dict):
-        self.config = config
-        self.cfg = DistillConfig.model_validate(config["cfg"])
+    def __init__(self, payload: WorkerPayload):
+        self.payload = payload
+        self.cfg = payload.cfg
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
 
@@ -104,12 +104,12 @@ class DistillRecipe:
         self.precision = precision_for(cfg.train.autocast, self.device)
         apply_matmul_precision(self.precision)
         self.target = load_target(cfg.target.model_copy(update={"device": self.device.type}))
-        data = training_view(datasets.load_from_disk(self.config["data_path"]))
+        data = training_view(datasets.load_from_disk(self.payload.data_path))
         self.tracker = Tracker(
-            tracking_uri=self.config.get("tracking_uri"),
+            tracking_uri=self.payload.tracking_uri,
             experiment=cfg.tracking.experiment,
-            run_id=self.config.get("mlflow_run_id"),
-            enabled=self.rank == 0 and self.config.get("mlflow_run_id") is not None,
+            run_id=self.payload.mlflow_run_id,
+            enabled=self.rank == 0 and self.payload.mlflow_run_id is not None,
             max_buffer_seconds=cfg.tracking.max_outage_s,
             max_outage_s=cfg.tracking.max_outage_s,
         )
@@ -310,9 +310,9 @@ class DistillRecipe:
             return {}
         exported = unsharded_copy(self.drafter, weights, self.target) if self.sharded else self.drafter
         summary = self._summary(exported, digests, nodes)
-        out_dir = Path(self.config["output_dir"])
+        out_dir = Path(self.payload.output_dir)
         summary |= finish(self.cfg, exported, self.target, self.train_set, self.evalset, self.state.evaluations,
-                          out_dir, self.tracker, self.config["data_path"])
+                          out_dir, self.tracker, self.payload.data_path)
         final_eval = self.last_eval.stats
         final_metrics = {name: float(v) for name, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         final_metrics |= {f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)}
@@ -349,6 +349,6 @@ class DistillRecipe:
 
 
 def train_fn_per_worker(config: dict) -> dict:
-    """Ray Train's per-worker function: run the recipe; returns the run's summary on rank 0,
-    {} on the other ranks."""
-    return DistillRecipe(config).run()
+    """Ray Train's per-worker function: validate the driver's `train_loop_config` (a dumped
+    `WorkerPayload`), run the recipe; returns the run's summary on rank 0, {} on the others."""
+    return DistillRecipe(WorkerPayload.model_validate(config)).run()

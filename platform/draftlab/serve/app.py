@@ -36,6 +36,7 @@ from ray.serve.handle import DeploymentHandle
 
 from draftlab.config import ServeArgs
 from draftlab.serve.deployment import DraftEngine
+from draftlab.serve.events import Accepted, Delta, Done, Failed
 from draftlab.serve.protocol import (
     APIError,
     ChatRequest,
@@ -105,19 +106,19 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse:
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return _error(_as_unavailable(e, 1) or APIError(500, f"internal error: {type(e).__name__}", None, "internal_error",
-                                                    "server_error"))
+    return _error(_as_unavailable(e, 1) or APIError(500, f"internal error: {type(e).__name__}", code="internal_error",
+                                                    type_="server_error"))
 
 
 @api.exception_handler(404)
 async def _not_found(request: Request, e) -> JSONResponse:
     return _error(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, /v1/completions, "
-                                f"/v1/chat/completions", None, "not_found"))
+                                f"/v1/chat/completions", code="not_found"))
 
 
 @api.exception_handler(405)
 async def _bad_method(request: Request, e) -> JSONResponse:
-    return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}", None, "method_not_allowed",
+    return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed",
                            headers=getattr(e, "headers", None)))  # Starlette's `Allow` header
 
 
@@ -135,7 +136,7 @@ _RESPONSES = {200: {"description": "A completion, or with `\"stream\": true` its
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     return APIError(413, f"the request body is {'over ' if at_least else ''}{size} bytes; this server takes at most "
-                         f"{limit} (max_body_bytes)", None, "request_too_large")
+                         f"{limit} (max_body_bytes)", code="request_too_large")
 
 
 def authorize(request: Request, keys: list[str], enabled: bool) -> None:
@@ -145,8 +146,8 @@ def authorize(request: Request, keys: list[str], enabled: bool) -> None:
         return
     got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not any(secrets.compare_digest(got, k) for k in keys):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key",
-                       "authentication_error")
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
+                       type_="authentication_error")
 
 
 def _sse(obj: dict | str) -> str:
@@ -210,13 +211,13 @@ class Ingress:
             log.warning("engine request failed, answering %d: %s: %s", err.status, type(e).__name__, e)
         return err
 
-    def _event_error(self, event: dict) -> APIError:
+    def _event_error(self, event: Failed) -> APIError:
         """An engine error event after the request was accepted: 503 if the replica was
         shutting down (retryable), else 500 (a decoding failure)."""
-        if event.get("status") == 503:
-            return unavailable(f"the engine replica stopped: {event['error']}", self.args.retry_after_s,
+        if event.status == 503:
+            return unavailable(f"the engine replica stopped: {event.message}", self.args.retry_after_s,
                                "replica_unavailable")
-        return APIError(500, f"generation failed: {event['error']}", None, "engine_error", "server_error")
+        return APIError(500, f"generation failed: {event.message}", code="engine_error", type_="server_error")
 
     @api.get("/v1/models", responses={401: _ERRORS[401], 503: _ERRORS[503]})
     async def models(self, request: Request) -> dict:
@@ -239,7 +240,7 @@ class Ingress:
         info = await self._engine(self.info())
         if req.model != info["model"]:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{info['model']}'",
-                           "model", "model_not_found")
+                           param="model", code="model_not_found")
         payload = {"max_tokens": req.requested_max_tokens, "speculation": req.speculation,
                    "sampling": req.sampling(1).model_dump(exclude={"max_new_tokens"})}
         if chat:
@@ -252,21 +253,29 @@ class Ingress:
         except BaseException:
             stream.cancel()
             raise
-        if "error" in first:
-            if first.get("status") == 503:
+        match first:
+            case Failed(status=503):
                 raise self._event_error(first)
-            raise APIError(first.get("status", 400), first["error"], first.get("param"), first.get("code"))
-        rid, model, prompt_tokens = new_id("chatcmpl" if chat else "cmpl"), info["model"], first["prompt_tokens"]
+            case Failed():
+                raise APIError(first.status or 400, first.message, param=first.param, code=first.code)
+            case Accepted():
+                prompt_tokens = first.prompt_tokens
+            case _:
+                raise TypeError(f"the engine's first event must be Accepted or Failed, got {first!r}")
+        rid, model = new_id("chatcmpl" if chat else "cmpl"), info["model"]
         if req.stream:
             return StreamingResponse(self._events(stream, rid, model, chat, prompt_tokens, req.include_usage),
                                      media_type="text/event-stream")
         text, done = [], None
         try:
             async for event in stream:
-                if "error" in event:
-                    raise self._event_error(event)
-                text.append(event.get("delta", ""))
-                done = event if "done" in event else done
+                match event:
+                    case Failed():
+                        raise self._event_error(event)
+                    case Delta():
+                        text.append(event.text)
+                    case Done():
+                        done = event
         except APIError:
             raise
         except Exception as e:
@@ -278,8 +287,8 @@ class Ingress:
         except BaseException:  # the client went away: free its decoding slot
             stream.cancel()
             raise
-        use = usage(prompt_tokens, done["completion_tokens"], done["stats"])
-        return completion_body(rid, model, chat, "".join(text), done["finish_reason"], use)
+        use = usage(prompt_tokens, done.completion_tokens, done.stats)
+        return completion_body(rid, model, chat, "".join(text), done.finish_reason, use)
 
     async def _events(self, stream, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool):
         """SSE chunks. Headers are sent: a failure is reported in-band, as OpenAI does
@@ -288,21 +297,22 @@ class Ingress:
             yield _sse(chunk_body(rid, model, chat, "", None, first=True))
         try:
             async for event in stream:
-                if "error" in event:
-                    yield _sse(self._event_error(event).body())
-                    break
-                if event.get("delta"):
-                    yield _sse(chunk_body(rid, model, chat, event["delta"], None))
-                if "done" in event:
-                    yield _sse(chunk_body(rid, model, chat, None if chat else "", event["finish_reason"]))
-                    if include_usage:
-                        yield _sse(usage_chunk(rid, model, chat, usage(prompt_tokens, event["completion_tokens"],
-                                                                       event["stats"])))
+                match event:
+                    case Failed():
+                        yield _sse(self._event_error(event).body())
+                        break
+                    case Delta(text=text) if text:
+                        yield _sse(chunk_body(rid, model, chat, text, None))
+                    case Done():
+                        yield _sse(chunk_body(rid, model, chat, None if chat else "", event.finish_reason))
+                        if include_usage:
+                            yield _sse(usage_chunk(rid, model, chat, usage(prompt_tokens, event.completion_tokens,
+                                                                           event.stats)))
         except Exception as e:  # the replica was lost mid-stream
             err = self._lost(e)
             if err is None:
                 log.exception("stream %s failed", rid)
-                err = APIError(500, f"internal error: {type(e).__name__}", None, "internal_error", "server_error")
+                err = APIError(500, f"internal error: {type(e).__name__}", code="internal_error", type_="server_error")
             yield _sse(err.body())
         finally:
             stream.cancel()  # a client that went away frees its decoding slot

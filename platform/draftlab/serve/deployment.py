@@ -1,12 +1,14 @@
 """The engine deployment: target + drafter on one replica (the drafter reads the target's
 hidden states), a decoding thread (`Scheduler`) and Ray metrics.
 
-    generate(request) -> async stream of events      (the ingress turns them into OpenAI JSON)
-        {"prompt_tokens": int}      first: the request was accepted
-        {"delta": str, "tokens": int} ...
-        {"done": True, "finish_reason": ..., "stats": {...}, "completion_tokens": int}
-        or {"error": str, "status": int, "param": str | None} instead of the first event
-        or {"error": str, "status": 503} at any point: the replica is shutting down (retryable)
+    generate(request) -> async stream of events      (the ingress turns them into OpenAI JSON;
+                                                      `serve/events.py`)
+        Accepted(prompt_tokens)     first: the request was accepted
+        Delta(text, tokens) ...
+        Done(finish_reason, stats, completion_tokens, queued_s)
+        or Failed(message, status=400, param, code) instead of the first event
+        or Failed(message, status=503) at any point: the replica is shutting down (retryable)
+        or Failed(message) after the first: decoding failed
 
 Metrics (Ray's Prometheus exporter, `ray_draftlab_*`): requests by status, generated
 tokens, tau per request, end-to-end latency, queue length and active requests.
@@ -19,6 +21,7 @@ and `draftlab serve` import this module without them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -28,6 +31,7 @@ from ray import serve
 from ray.serve import metrics as m
 
 from draftlab.config import SamplingParams, ServeArgs
+from draftlab.serve.events import Accepted, Done, EngineEvent, Failed
 from draftlab.serve.pair import resolve_pair
 from draftlab.serve.policy import SpeculationPolicy
 from draftlab.storage import local_copy
@@ -127,35 +131,35 @@ class DraftEngine:
             return list(prompt)
         return tok(prompt, add_special_tokens=True)["input_ids"]
 
-    def _admit(self, req: dict) -> tuple[list[int], SamplingParams] | dict:
+    def _admit(self, req: dict) -> tuple[list[int], SamplingParams] | Failed:
         """The prompt's ids and sampling params, or an error event (bad prompt, too long)."""
         try:
             ids = self._tokenize(req)
         except (ValueError, TypeError) as e:
-            return {"error": str(e), "status": 400, "param": "messages" if req.get("messages") else "prompt"}
+            return Failed(str(e), status=400, param="messages" if req.get("messages") else "prompt")
         if not ids:
-            return {"error": "the prompt is empty", "status": 400, "param": "prompt"}
+            return Failed("the prompt is empty", status=400, param="prompt")
         room = self.max_context - len(ids)
         if room < 1:
-            return {"error": f"this model's maximum context length is {self.max_context} tokens; the prompt has "
-                             f"{len(ids)}", "status": 400, "param": "messages" if req.get("messages") else "prompt",
-                    "code": "context_length_exceeded"}
+            return Failed(f"this model's maximum context length is {self.max_context} tokens; the prompt has "
+                          f"{len(ids)}", status=400, param="messages" if req.get("messages") else "prompt",
+                          code="context_length_exceeded")
         default = self.args.engine.default_max_tokens if req.get("messages") else 16  # OpenAI's completions default
         wanted = req.get("max_tokens") or min(default, room)
         if wanted > room:
-            return {"error": f"this model's maximum context length is {self.max_context} tokens; you requested "
-                             f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
-                    "status": 400, "param": "max_tokens", "code": "context_length_exceeded"}
+            return Failed(f"this model's maximum context length is {self.max_context} tokens; you requested "
+                          f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
+                          status=400, param="max_tokens", code="context_length_exceeded")
         return ids, SamplingParams(max_new_tokens=wanted, **req["sampling"])
 
     async def generate(self, req: dict):
         admitted = self._admit(req)
-        if isinstance(admitted, dict):
+        if isinstance(admitted, Failed):
             self.metrics.requests.inc(tags={"status": "rejected"})
             yield admitted
             return
         ids, params = admitted
-        yield {"prompt_tokens": len(ids)}
+        yield Accepted(prompt_tokens=len(ids))
         async for event in self._decode(ids, params, req.get("speculation")):
             yield event
 
@@ -164,21 +168,21 @@ class DraftEngine:
 
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
-        def publish(event: dict) -> None:  # called on the decoding thread
+        def publish(event: EngineEvent) -> None:  # called on the decoding thread
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         try:
             ticket = self.scheduler.submit(ids, params, publish, speculation, internal)
         except ShuttingDown as e:
-            yield {"error": str(e), "status": 503}
+            yield Failed(str(e), status=503)
             return
         try:
             while True:
                 event = await queue.get()
-                if "error" in event and not self.scheduler.alive:  # shut down under it: retryable
-                    event = {**event, "status": 503}
+                if isinstance(event, Failed) and not self.scheduler.alive:  # shut down under it: retryable
+                    event = dataclasses.replace(event, status=503)
                 yield event
-                if "done" in event or "error" in event:
+                if isinstance(event, Done | Failed):
                     return
         finally:  # the client went away (or we are done): free the slot
             ticket.cancel()
@@ -212,8 +216,8 @@ class DraftEngine:
             return
         # idle: one speculative round end to end (prefill, draft, verify) on a 1-token prompt
         async for event in self._decode([0], SamplingParams(max_new_tokens=2), "on", internal=True):
-            if "error" in event:
-                raise RuntimeError(f"health probe failed: {event['error']}")
+            if isinstance(event, Failed):
+                raise RuntimeError(f"health probe failed: {event.message}")
 
     def __del__(self):
         # Serve has already waited `graceful_shutdown_timeout_s` for running requests to drain

@@ -27,7 +27,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (see `_Request.sa
 class APIError(Exception):
     """An error returned to the client as OpenAI's error JSON with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
@@ -46,7 +46,7 @@ def _printable(text: str | None) -> str | None:
 def unavailable(message: str, retry_after_s: float, code: str = "service_unavailable", status: int = 503) -> APIError:
     """A retryable error: the request was not served, sending it again later may work.
     OpenAI's clients retry 503s (and 429s) by themselves, waiting `Retry-After` seconds."""
-    return APIError(status, message, None, code, "server_error",
+    return APIError(status, message, code=code, type_="server_error",
                     headers={"Retry-After": str(max(0, math.ceil(retry_after_s)))})
 
 
@@ -109,15 +109,15 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n",
-                           "unsupported_value")
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)",
+                           param="n", code="unsupported_value")
         unsupported = {"logprobs": self.logprobs not in (None, False, 0), "best_of": self.best_of not in (None, 1),
                        "presence_penalty": self.presence_penalty != 0.0,
                        "frequency_penalty": self.frequency_penalty != 0.0, "logit_bias": bool(self.logit_bias),
                        "tools": bool(self.tools), "echo": self.echo}
         for name, used in unsupported.items():
             if used:
-                raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+                raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         # A tiny temperature overflows logits / temperature in float32 (inf, then NaN
@@ -144,10 +144,10 @@ class CompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise APIError(400, "a list of several prompts is not supported: send one request per prompt", "prompt",
-                           "unsupported_value")
+            raise APIError(400, "a list of several prompts is not supported: send one request per prompt",
+                           param="prompt", code="unsupported_value")
         if self.suffix:
-            raise APIError(400, "'suffix' is not supported by this server", "suffix", "unsupported_parameter")
+            raise APIError(400, "'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
 
 
 class ChatMessage(BaseModel):
@@ -161,7 +161,7 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", "messages", "unsupported_value")
+                raise APIError(400, "only text content parts are supported", param="messages", code="unsupported_value")
             parts.append(part["text"])
         return "".join(parts)
 
@@ -176,21 +176,21 @@ def parse_request(model: type[_Request], body: bytes) -> _Request:
         data = json.loads(body or b"null")
         bad = _invalid_unicode(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:  # `[[[[...` a few thousand deep
-        raise APIError(400, "the request body is nested too deeply", None, "invalid_json") from None
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     if bad is not None:
         raise APIError(400, f"invalid value for '{bad}': not valid Unicode (a lone surrogate such as \\ud800)",
-                       bad or None, "invalid_unicode")
+                       param=bad or None, code="invalid_unicode")
     try:
         req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None  # e.g. "messages.0.role"
-        raise APIError(400, f"invalid value for '{param}': {err['msg']}", param,
-                       "missing_required_parameter" if err["type"] == "missing" else "invalid_type") from None
+        raise APIError(400, f"invalid value for '{param}': {err['msg']}", param=param,
+                       code="missing_required_parameter" if err["type"] == "missing" else "invalid_type") from None
     req.check_supported()
     return req
 

@@ -11,11 +11,11 @@ speculation policy (`EngineSpec.speculation`, `serve/policy.py`) per request and
 of every request's tree add up, and plain steps (one row each) can beat drafting; a
 request switches freely without changing its output (see `Session.step`).
 
-Events put on a ticket's queue (via `publish`, on the caller's event loop):
-    {"delta": str, "tokens": int}                        text committed since the last event
-    {"done": True, "finish_reason": str, "stats": dict}  the last one
-    {"error": str}                                       the request failed (the engine lives on),
-                                                         or `shutdown` came first (then `alive` is False)
+Events put on a ticket's queue (via `publish`, on the caller's event loop; `serve/events.py`):
+    Delta(text, tokens)                     text committed since the last event
+    Done(finish_reason, stats, ...)         the last one
+    Failed(message)                         the request failed (the engine lives on),
+                                            or `shutdown` came first (then `alive` is False)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from draftlab.config import SamplingParams
 from draftlab.decoding.engine import Session, SpeculativeDecoder, step_many
+from draftlab.serve.events import Delta, Done, EngineEvent, Failed
 from draftlab.serve.policy import SpeculationPolicy
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class Ticket:
     prompt: list[int]
     params: SamplingParams
     speculation: str  # "on" | "off" | "auto"
-    publish: Callable[[dict], None]
+    publish: Callable[[EngineEvent], None]
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     session: Session | None = None
@@ -81,7 +82,7 @@ class Scheduler:
         self._thread.start()
 
     # -- called from request handlers -----------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, publish: Callable[[dict], None],
+    def submit(self, prompt: list[int], params: SamplingParams, publish: Callable[[EngineEvent], None],
                speculation: str | None = None, internal: bool = False) -> Ticket:
         mode = speculation or self.speculation
         if mode == "auto" and params.seed is not None and not params.greedy:
@@ -116,7 +117,7 @@ class Scheduler:
         with self._wake:
             self._stop = True
             for t in [*self._waiting, *self._active]:
-                t.publish({"error": "the server is shutting down"})
+                t.publish(Failed("the server is shutting down"))
             self._waiting.clear()
             self._wake.notify()
         self._thread.join(timeout=5)
@@ -180,13 +181,13 @@ class Scheduler:
         self._publish_delta(t)
         if t.session.done:
             result = t.session.result()
-            t.publish({"done": True, "finish_reason": result.finish_reason, "stats": result.stats.as_dict(),
-                       "completion_tokens": len(result.tokens), "queued_s": t.session.t_start - t.submitted})
+            t.publish(Done(finish_reason=result.finish_reason, stats=result.stats.as_dict(),
+                           completion_tokens=len(result.tokens), queued_s=t.session.t_start - t.submitted))
             self._retire(t)
 
     def _fail(self, t: Ticket, e: Exception) -> None:
         log.error("request %d failed: %s: %s", t.id, type(e).__name__, e)
-        t.publish({"error": f"{type(e).__name__}: {e}"})
+        t.publish(Failed(f"{type(e).__name__}: {e}"))
         self._retire(t)
 
     def _retire(self, t: Ticket) -> None:
@@ -206,5 +207,5 @@ class Scheduler:
             text = text[: len(text) - hold] if hold else text
             text = text.rstrip(REPLACEMENT)
         if len(text) > t.sent_chars or s.done:
-            t.publish({"delta": text[t.sent_chars :], "tokens": len(s.tokens)})
+            t.publish(Delta(text=text[t.sent_chars :], tokens=len(s.tokens)))
             t.sent_chars = max(t.sent_chars, len(text))

@@ -38,8 +38,8 @@ def _checked(route):
             return _error(e)
         except HTTPException as e:
             not_found = e.status_code == 404
-            return _error(APIError(e.status_code, str(e.detail), "model" if not_found else None,
-                                   "model_not_found" if not_found else None))
+            return _error(APIError(e.status_code, str(e.detail), param="model" if not_found else None,
+                                   code="model_not_found" if not_found else None))
 
     return checked
 
