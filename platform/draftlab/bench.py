@@ -452,11 +452,9 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
                     bar.set_postfix_str(f"{p.category}:{m}")
                     runs[m].append((p.category, run(ids, extra)))
                     bar.update()
-            finalists = {m: extra for m, extra in engine["methods"].items() if cfg.load_all or _finalist(runs, m)}
+            finalists = {m for m in engine["methods"] if cfg.load_all or _finalist(runs, m)}
             bar.total -= (len(engine["methods"]) - len(finalists)) * timed
-            load |= _load_levels(llm, finalists, runs, levels, cfg, params.temperature, bar)
-            if 1 in cfg.concurrency and cfg.load_requests is None:  # the others' level 1: their runs above
-                load |= {m: {"1": _level_one(runs[m])} for m in engine["methods"] if m not in finalists}
+            load |= _load_levels(llm, engine["methods"], finalists, runs, levels, cfg, params.temperature, bar)
     bar.close()
     info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
             **cfg.vllm.model_dump(), "startup_s": startup,
@@ -475,26 +473,25 @@ def _level_one(runs: list[tuple[str, Run]]) -> dict:
             "seconds": secs}
 
 
-def _tokens_per_s(runs: list[tuple[str, Run]]) -> float:
-    return sum(len(r.tokens) for _, r in runs) / (sum(r.seconds for _, r in runs) or 1.0)
-
-
 def _finalist(runs: dict[str, list[tuple[str, Run]]], method: str) -> bool:
     """Measured under load: `vllm_ar`, and each method faster than it one request at a time
     (one slower there is never the served configuration, `draftlab.verdict`)."""
-    return method == "vllm_ar" or _tokens_per_s(runs[method]) > _tokens_per_s(runs["vllm_ar"])
+    return method == "vllm_ar" or _level_one(runs[method])["tokens_per_s"] > _level_one(runs["vllm_ar"])["tokens_per_s"]
 
 
-def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], runs: dict, levels: list, cfg: BenchConfig,
-                 temperature: float, bar: tqdm) -> dict[str, dict[str, dict]]:
+def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], finalists: set[str], runs: dict, levels: list,
+                 cfg: BenchConfig, temperature: float, bar: tqdm) -> dict[str, dict[str, dict]]:
     """{method: {level: tokens/s, tau, requests, seconds}} of one engine's methods, closed loop
-    at each load level. Level 1 with the default request count is the one-at-a-time runs
-    already made (every prompt once, one in flight): taken from `runs`, not run again."""
+    at each load level, the finalists only. Level 1 with the default request count is the
+    one-at-a-time runs already made (every prompt once, one in flight): taken from `runs`, for
+    every method, not run again."""
     out: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for c, prompts in levels:
         for m, extra in methods.items():
             if c == 1 and cfg.load_requests is None:
                 out[m]["1"] = _level_one(runs[m])
+                continue
+            if m not in finalists:
                 continue
             bar.set_postfix_str(f"{m} x{c}")
             r = llm.generate_closed_loop(prompts, c, cfg.max_new_tokens, temperature=temperature, extra_args=extra)

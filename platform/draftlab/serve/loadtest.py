@@ -1,8 +1,9 @@
 """`draftlab loadtest`: a closed-loop load generator for an OpenAI-compatible endpoint.
 
 After an untimed warm-up of every speculation mode (`warmup`), for each concurrency level C
-(and each speculation mode, run back to back so modes are compared on the same machine state), C clients each send a chat completion, wait for it
-to finish and send the next, until the level's request count is done. Reported per level:
+(and each speculation mode, run back to back so modes are compared on the same machine
+state), C clients each send a chat completion, wait for it to finish and send the next, until
+the level's request count is done. Reported per level:
 requests/s, output tokens/s, p50/p95 time to first token and latency, tau (tokens per
 target forward, from the `usage.speculative` the server returns), draft tokens verified and
 errors.
