@@ -1,7 +1,7 @@
 """Ray job entrypoint for `draftlab bench` from a YAML config.
 
-    ray job submit --working-dir . -- python jobs/bench.py -c jobs/configs/bench-smollm2-135m.yaml
-    python jobs/bench.py -c jobs/configs/bench-smollm2-135m.yaml max_new_tokens=64 target.device=cuda
+ray job submit --working-dir . -- python jobs/bench.py -c jobs/configs/bench-smollm2-135m.yaml
+python jobs/bench.py -c jobs/configs/bench-smollm2-135m.yaml max_new_tokens=64 target.device=cuda
 """
 
 import sys

@@ -1,7 +1,7 @@
 """Ray job entrypoint for sweeps (the same options as `draftlab sweep`).
 
-    ray job submit --working-dir . -- python sweeps/run.py -c sweeps/smollm2-135m-cpu.yaml
-    python sweeps/run.py --resume .draftlab/ray/sweeps/smollm2-135m-cpu
+ray job submit --working-dir . -- python sweeps/run.py -c sweeps/smollm2-135m-cpu.yaml
+python sweeps/run.py --resume .draftlab/ray/sweeps/smollm2-135m-cpu
 """
 
 import sys

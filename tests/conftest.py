@@ -24,10 +24,19 @@ def _only_slow_tests_start_services(item: pytest.Item, before: tuple[bool, int])
     if item.get_closest_marker("slow") is not None:
         return
     (ray_before, mlflow_before), (ray_after, mlflow_after) = before, _services()
-    started = [what for what, new in (("Ray", ray_after and not ray_before), ("an MLflow server", mlflow_after > mlflow_before))
-               if new]
+    started = [
+        what
+        for what, new in (
+            ("Ray", ray_after and not ray_before),
+            ("an MLflow server", mlflow_after > mlflow_before),
+        )
+        if new
+    ]
     if started:
-        pytest.fail(f"{item.nodeid} starts {' and '.join(started)}: mark it @pytest.mark.slow", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} starts {' and '.join(started)}: mark it @pytest.mark.slow",
+            pytrace=False,
+        )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -52,7 +61,9 @@ def _threads_unchanged():
     every later module runs (and is timed) on its setting."""
     threads = torch.get_num_threads()
     yield
-    assert torch.get_num_threads() == threads, f"this module left torch at {torch.get_num_threads()} threads (was {threads})"
+    assert torch.get_num_threads() == threads, (
+        f"this module left torch at {torch.get_num_threads()} threads (was {threads})"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,8 +24,24 @@ from draftlab.config import (
     TrainConfig,
 )
 
-TOPICS = ["the sea", "a cat", "rain", "trains", "music", "bread", "the moon", "winter",
-          "coffee", "books", "rivers", "snow", "birds", "cities", "stars", "gardens"]
+TOPICS = [
+    "the sea",
+    "a cat",
+    "rain",
+    "trains",
+    "music",
+    "bread",
+    "the moon",
+    "winter",
+    "coffee",
+    "books",
+    "rivers",
+    "snow",
+    "birds",
+    "cities",
+    "stars",
+    "gardens",
+]
 
 
 SHARED: Path | None = None
@@ -49,14 +65,30 @@ def tiny_config(tmp: Path, name: str, tracking_uri: str, **sections) -> DistillC
         name=name,
         target=TargetSpec(name="tiny-llama"),
         data=DataConfig(
-            source=PromptSourceConfig(kind="dataset", path=str(prompts), field="prompt", num_prompts=16),
-            max_new_tokens=24, batch_size=8, shard_size=8, eval_fraction=0.25, cache_dir=str(SHARED / "data"),
+            source=PromptSourceConfig(
+                kind="dataset", path=str(prompts), field="prompt", num_prompts=16
+            ),
+            max_new_tokens=24,
+            batch_size=8,
+            shard_size=8,
+            eval_fraction=0.25,
+            cache_dir=str(SHARED / "data"),
         ),
         drafter=DrafterSpec(family="parallel", k=3, depth=1),
-        train=TrainConfig(epochs=4, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=4, eval_every=4, log_every=1),
+        train=TrainConfig(
+            epochs=4,
+            batch_size=2,
+            lr=3e-3,
+            warmup_steps=2,
+            checkpoint_every=4,
+            eval_every=4,
+            log_every=1,
+        ),
         scaling=ScalingSpec(num_workers=1, max_failures=2),
         tracking=TrackingSpec(tracking_uri=tracking_uri, experiment=f"draftlab-test-{name}"),
-        bench=BenchSpec(limit=2, max_new_tokens=12, fresh_process=False),  # test_distill_ray runs the fresh one
+        bench=BenchSpec(
+            limit=2, max_new_tokens=12, fresh_process=False
+        ),  # test_distill_ray runs the fresh one
         storage_path=str(tmp / "ray"),
     )
     cfg.update(sections)
@@ -66,10 +98,15 @@ def tiny_config(tmp: Path, name: str, tracking_uri: str, **sections) -> DistillC
 def committed_checkpoint(run_dir: Path) -> dict | None:
     """Ray Train's latest *committed* checkpoint of a run: {"step", "dir"}, or None."""
     try:
-        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text()).get("latest_checkpoint_result")
+        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text()).get(
+            "latest_checkpoint_result"
+        )
     except (OSError, ValueError):
         return None
-    return latest and {"step": latest["metrics"]["step"], "dir": run_dir / latest["checkpoint_dir_name"]}
+    return latest and {
+        "step": latest["metrics"]["step"],
+        "dir": run_dir / latest["checkpoint_dir_name"],
+    }
 
 
 def wait_for(pred, timeout: float, what: str):

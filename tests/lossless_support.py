@@ -85,10 +85,14 @@ def _fingerprint() -> str:
 def worker_pool() -> Executor:
     """One spawned worker process (fork is unsafe once torch's OpenMP threads exist), checked
     to hold the same target weights as this process."""
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
+    pool = ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+    )
     if pool.submit(_fingerprint).result(timeout=240) != _fingerprint():
         pool.shutdown()
-        raise AssertionError("the worker process's tiny-llama-v8 weights differ from this process's")
+        raise AssertionError(
+            "the worker process's tiny-llama-v8 weights differ from this process's"
+        )
     return pool
 
 

@@ -55,9 +55,14 @@ class MlflowServer:
 
     starts = 0  # processes started in this test session (conftest: only slow tests start one)
 
-    def __init__(self, root: str | os.PathLike | None = None, port: int | None = None,
-                 workers: int = 1, startup_timeout: float = STARTUP_TIMEOUT_S,
-                 extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        port: int | None = None,
+        workers: int = 1,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+        extra_env: dict[str, str] | None = None,
+    ):
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="mlflow-srv-")
         self.root = Path(root if root is not None else self._tmp.name)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -77,11 +82,20 @@ class MlflowServer:
     def command(self) -> list[str]:
         # The venv's `mlflow` script sits beside the interpreter; `-m mlflow` works as well.
         return [
-            sys.executable, "-m", "mlflow", "server",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--backend-store-uri", f"sqlite:///{self.db}",
-            "--artifacts-destination", str(self.artifacts),
-            "--workers", str(self.workers),
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--backend-store-uri",
+            f"sqlite:///{self.db}",
+            "--artifacts-destination",
+            str(self.artifacts),
+            "--workers",
+            str(self.workers),
         ]
 
     def start(self) -> str:
@@ -101,8 +115,12 @@ class MlflowServer:
         try:
             # Own session: stop() signals the whole group (the server forks its workers).
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=self.root, start_new_session=True,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.root,
+                start_new_session=True,
             )
             MlflowServer.starts += 1
         finally:

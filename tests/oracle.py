@@ -14,7 +14,13 @@ import torch
 class OracleDrafter:
     aux_layers = ()  # reads no target features
 
-    def __init__(self, target, prompt: list[int], ranks: list[int] | None = None, wrong_after: int | None = None):
+    def __init__(
+        self,
+        target,
+        prompt: list[int],
+        ranks: list[int] | None = None,
+        wrong_after: int | None = None,
+    ):
         self.target = target
         self.prompt = prompt
         self.ranks = ranks
@@ -32,7 +38,7 @@ class OracleDrafter:
         for _ in range(k):
             logits = self.target.model(torch.tensor([out])).logits[0, -1]
             out.append(int(logits.argmax()))
-        return out[len(ids):]
+        return out[len(ids) :]
 
     def propose(self, state, tokens, hidden, k, pick):
         state["committed"].extend(tokens.tolist())

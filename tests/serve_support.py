@@ -14,7 +14,9 @@ from mlflow_server import free_port
 def local_serve() -> Iterator[str]:
     """Start Ray and Serve (HTTP on 127.0.0.1, a free port); yield the base URL; stop both.
     Use as the body of a module-scoped fixture."""
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2)
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

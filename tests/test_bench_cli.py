@@ -39,8 +39,23 @@ def test_bench_writes_contract_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # float32: in bf16 this random tiny target has exact logit ties, which HF's SDPA and our
     # row kernel round apart (HF `generate` vs `ar`); in float32 every method agrees
-    rc = main(["bench", "--target", "tiny-llama", "--dtype", "float32", "--drafter", "init:parallel",
-               "--limit", "3", "--max-new-tokens", "24", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--dtype",
+            "float32",
+            "--drafter",
+            "init:parallel",
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     check_contract(report, prompts=3, max_new=24)
@@ -52,7 +67,9 @@ def test_bench_writes_contract_json(tmp_path, capsys):
     assert set(report["methods"]["ar"]["by_category"]) == {"writing", "roleplay", "reasoning"}
     assert report["drafter_head_coverage"]["all"] == 1.0  # an untrimmed head scores every token
     out = capsys.readouterr().out
-    assert "draftlab_tree" in out and "drafter head scores 100.0% of the target's output tokens" in out
+    assert (
+        "draftlab_tree" in out and "drafter head scores 100.0% of the target's output tokens" in out
+    )
 
 
 def test_head_coverage_is_the_share_of_the_targets_tokens_a_trimmed_head_can_score(tiny):
@@ -63,8 +80,15 @@ def test_head_coverage_is_the_share_of_the_targets_tokens_a_trimmed_head_can_sco
 
     trimmed = init_drafter("parallel", tiny, k=2, depth=1, vocab_size=4)
     trimmed.set_vocab(torch.tensor([3, 5, 7, 9]))
-    runs = [("math", Run([3, 4, 5, 6], 1.0, 4)), ("chat", Run([9, 9], 1.0, 2)), ("math", Run([1], 1.0, 1))]
-    assert head_coverage(trimmed, runs) == {"all": 4 / 7, "by_category": {"math": 2 / 5, "chat": 1.0}}
+    runs = [
+        ("math", Run([3, 4, 5, 6], 1.0, 4)),
+        ("chat", Run([9, 9], 1.0, 2)),
+        ("math", Run([1], 1.0, 1)),
+    ]
+    assert head_coverage(trimmed, runs) == {
+        "all": 4 / 7,
+        "by_category": {"math": 2 / 5, "chat": 1.0},
+    }
     full = init_drafter("parallel", tiny, k=2, depth=1)
     assert head_coverage(full, runs) == {"all": 1.0, "by_category": {"math": 1.0, "chat": 1.0}}
 
@@ -95,15 +119,42 @@ def test_bench_spec_bench_prompts_and_saved_drafter(tmp_path, tiny):
     init_drafter("autoregressive", tiny, k=3, depth=1).save(tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
-        json.dumps({"question_id": 1, "category": "math", "turns": ["2+2?", "and 3+3?"]}) + "\n"
-        + json.dumps({"prompt": "plain prompt"}) + "\n"
-        + json.dumps({"category": "chat", "messages": [{"role": "user", "content": "hi"},
-                                                       {"role": "assistant", "content": "hello"},
-                                                       {"role": "user", "content": "again?"}]}) + "\n"
+        json.dumps({"question_id": 1, "category": "math", "turns": ["2+2?", "and 3+3?"]})
+        + "\n"
+        + json.dumps({"prompt": "plain prompt"})
+        + "\n"
+        + json.dumps(
+            {
+                "category": "chat",
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "again?"},
+                ],
+            }
+        )
+        + "\n"
     )
     out = tmp_path / "b.json"
-    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
-               "--max-new-tokens", "12", "--k", "3", "--tree", "small-6", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--k",
+            "3",
+            "--tree",
+            "small-6",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     check_contract(report, prompts=3, max_new=12)
@@ -117,8 +168,23 @@ def test_bench_defaults_to_the_drafters_k_and_tree(tmp_path, tiny):
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     (saved / "tree.json").write_text(Tree.from_paths([[0], [1], [0, 0]]).to_json())
     out = tmp_path / "b.json"
-    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1",
-               "--max-new-tokens", "8", "--methods", "draftlab_chain,draftlab_tree", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--drafter",
+            str(saved),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--methods",
+            "draftlab_chain,draftlab_tree",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["k"] == 3  # not the init default of 4: this drafter has 2 masks
@@ -134,25 +200,67 @@ def test_bench_searched_tree_comes_from_the_drafters_measured_acceptance(tmp_pat
     acc = [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]
     (saved / "tree-search.json").write_text(json.dumps({"acceptance": acc}))
     out = tmp_path / "b.json"
-    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--max-new-tokens", "8",
-               "--tree", "searched-4", "--methods", "draftlab_tree", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--drafter",
+            str(saved),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--tree",
+            "searched-4",
+            "--methods",
+            "draftlab_tree",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["tree"] == "searched-4" and report["tree_nodes"] == 4  # named as serving names it
-    assert load_tree(str(saved / "tree-searched-4.json")).paths == best_tree(acc, 4).paths  # built beside the drafter
+    assert (
+        load_tree(str(saved / "tree-searched-4.json")).paths == best_tree(acc, 4).paths
+    )  # built beside the drafter
 
 
 def test_bench_compares_more_trees_side_by_side(tmp_path, tiny):
     from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
-    (saved / "tree-search.json").write_text(json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]}))
+    (saved / "tree-search.json").write_text(
+        json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]]})
+    )
     out = tmp_path / "b.json"
-    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "2", "--max-new-tokens", "12",
-               "--methods", "ar", "--trees", "searched-4@2+ngram,small-6@3", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--drafter",
+            str(saved),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--methods",
+            "ar",
+            "--trees",
+            "searched-4@2+ngram,small-6@3",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
-    assert list(report["methods"]) == ["ar", "draftlab_tree:searched-4@2+ngram", "draftlab_tree:small-6@3"]
+    assert list(report["methods"]) == [
+        "ar",
+        "draftlab_tree:searched-4@2+ngram",
+        "draftlab_tree:small-6@3",
+    ]
     assert report["greedy_identical"] is True
     ar = report["methods"]["ar"]["tokens_per_s"]
     for m in report["methods"].values():
@@ -170,14 +278,41 @@ def test_bench_compares_other_drafters_with_their_own_trees_side_by_side(tmp_pat
     other = init_drafter("parallel", tiny, k=2, depth=2, seed=1).save(tmp_path / "b" / "drafter")
     (other / "tree.json").write_text(Tree.from_paths([[0], [1], [0, 0], [0, 1]]).to_json())
     out = tmp_path / "b.json"
-    rc = main(["bench", "--target", "tiny-llama", "--dtype", "float32", "--drafter", str(main_dir), "--limit", "2",
-               "--max-new-tokens", "12", "--methods", "ar,draftlab_tree", "--versus", str(other), "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--dtype",
+            "float32",
+            "--drafter",
+            str(main_dir),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--methods",
+            "ar,draftlab_tree",
+            "--versus",
+            str(other),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ["ar", "draftlab_tree", f"draftlab_tree@{other}"]
-    assert report["versus"] == {str(other): {"tree": str(other / "tree.json"), "tree_nodes": 4, "k": 2,
-                                             "drafter_parameters": report["versus"][str(other)]["drafter_parameters"]}}
-    assert report["versus"][str(other)]["drafter_parameters"] > report["drafter_parameters"]  # two layers, not one
+    assert report["versus"] == {
+        str(other): {
+            "tree": str(other / "tree.json"),
+            "tree_nodes": 4,
+            "k": 2,
+            "drafter_parameters": report["versus"][str(other)]["drafter_parameters"],
+        }
+    }
+    assert (
+        report["versus"][str(other)]["drafter_parameters"] > report["drafter_parameters"]
+    )  # two layers, not one
     assert report["greedy_identical"] is True
     ar = report["methods"]["ar"]["tokens_per_s"]
     versus = report["methods"][f"draftlab_tree@{other}"]
@@ -189,7 +324,19 @@ def test_bench_searched_tree_without_a_search_is_a_clear_error(tmp_path, tiny, c
     from draftlab.models.drafters.build import init_drafter
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
-    rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--tree", "searched-4"])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            "tiny-llama",
+            "--drafter",
+            str(saved),
+            "--limit",
+            "1",
+            "--tree",
+            "searched-4",
+        ]
+    )
     assert rc == 2
     assert "tree-search.json" in capsys.readouterr().err
 
@@ -220,7 +367,9 @@ def test_bad_prompt_file_names_line(tmp_path, capsys):
     f.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
     assert f"{f}:2: needs a 'prompt', chat 'messages'" in capsys.readouterr().err
-    f.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    f.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
     assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
     assert f"{f}:1: the last message must be a user turn" in capsys.readouterr().err
     f.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
@@ -233,8 +382,22 @@ def test_profile_json(tmp_path):
     out = tmp_path / "profile.json"
     # Through the installed console script, as a user runs it.
     exe = [sys.executable, "-m", "draftlab.cli"]
-    proc = subprocess.run([*exe, "profile", "--target", "tiny-llama", "--context", "32", "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            *exe,
+            "profile",
+            "--target",
+            "tiny-llama",
+            "--context",
+            "32",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report["target_forward_ms"]) == {"1", "2", "4", "8", "16", "32", "64"}
@@ -246,11 +409,35 @@ def test_profile_json(tmp_path):
 
 def test_profile_times_the_rows_and_trees_it_is_given(tmp_path, capsys):
     out = tmp_path / "profile.json"
-    assert main(["profile", "--target", "tiny-llama", "--context", "32", "--repeats", "1", "--new-tokens", "1,4",
-                 "--trees", "small-6,chain-2", "--depths", "1", "--ks", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--target",
+                "tiny-llama",
+                "--context",
+                "32",
+                "--repeats",
+                "1",
+                "--new-tokens",
+                "1,4",
+                "--trees",
+                "small-6,chain-2",
+                "--depths",
+                "1",
+                "--ks",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert set(report["target_forward_ms"]) == {"1", "4"}
-    assert report["drafter_ms"]["parallel"] == {"1": pytest.approx(report["drafter_ms"]["parallel"]["1"])}
+    assert report["drafter_ms"]["parallel"] == {
+        "1": pytest.approx(report["drafter_ms"]["parallel"]["1"])
+    }
     assert set(report["drafter_ms"]["parallel"]["1"]) == {"2"}
     trees = report["tree_verify"]
     assert [trees[t]["rows"] for t in ("small-6", "chain-2")] == [7, 3]  # root + nodes
@@ -258,9 +445,30 @@ def test_profile_times_the_rows_and_trees_it_is_given(tmp_path, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit) as bad:
         main(["profile", "--target", "tiny-llama", "--new-tokens", "1,x"])
-    assert bad.value.code == 2 and "--new-tokens: expected a comma list of integers, got '1,x'" in capsys.readouterr().err
-    assert main(["profile", "--target", "tiny-llama", "--trees", "no-such-tree", "--new-tokens", "1", "--ks", "1",
-                 "--depths", "1", "--repeats", "1"]) == 2
+    assert (
+        bad.value.code == 2
+        and "--new-tokens: expected a comma list of integers, got '1,x'" in capsys.readouterr().err
+    )
+    assert (
+        main(
+            [
+                "profile",
+                "--target",
+                "tiny-llama",
+                "--trees",
+                "no-such-tree",
+                "--new-tokens",
+                "1",
+                "--ks",
+                "1",
+                "--depths",
+                "1",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "no-such-tree" in capsys.readouterr().err
 
 
@@ -300,7 +508,9 @@ def test_near_tie_reports_the_targets_own_logits_at_a_mismatch(tiny, tiny_prompt
     logits, _ = tiny.forward(ids, torch.arange(ids.numel()), tiny.new_cache())
     assert tie["tokens"] == [a[3], b[3]]
     assert tie["logits"][0] == pytest.approx(float(logits[-1, a[3]]))
-    assert tie["margin"] == pytest.approx(float(logits[-1, a[3]] - logits[-1, b[3]]))  # a is the greedy token
+    assert tie["margin"] == pytest.approx(
+        float(logits[-1, a[3]] - logits[-1, b[3]])
+    )  # a is the greedy token
     assert tie["top2_gap"] >= 0 and tie["margin"] >= tie["top2_gap"]
     assert near_tie(tiny, prompt, a, a[:3], 3) == {"tokens": [a[3], None]}
 
@@ -315,16 +525,25 @@ def test_greedy_mismatches_name_method_prompt_position_and_margins(tiny, tiny_pr
     from draftlab.decoding.engine import autoregressive_generate
 
     prompts = tiny_prompts[:2]
-    outs = [autoregressive_generate(tiny, p, SamplingParams(max_new_tokens=8)).tokens for p in prompts]
+    outs = [
+        autoregressive_generate(tiny, p, SamplingParams(max_new_tokens=8)).tokens for p in prompts
+    ]
     flipped = outs[1][:5] + [(outs[1][5] + 1) % tiny.vocab_size]
-    runs = {"ar": [("a", Run(o, 1.0, 8)) for o in outs],
-            "same": [("a", Run(o, 1.0, 8)) for o in outs],
-            "other": [("a", Run(outs[0], 1.0, 8)), ("a", Run(flipped, 1.0, 8))]}
+    runs = {
+        "ar": [("a", Run(o, 1.0, 8)) for o in outs],
+        "same": [("a", Run(o, 1.0, 8)) for o in outs],
+        "other": [("a", Run(outs[0], 1.0, 8)), ("a", Run(flipped, 1.0, 8))],
+    }
     encoded = [(None, p) for p in prompts]
     found = greedy_mismatches(tiny, encoded, runs, "ar", ["same", "other"])
     assert [(m["method"], m["prompt"], m["position"]) for m in found] == [("other", 1, 5)]
-    assert found[0]["tokens"] == [outs[1][5], flipped[5]] and found[0]["margin"] >= found[0]["top2_gap"] >= 0
-    assert describe_mismatches(found).startswith("1 outputs differ, widest top-2 gap at a difference ")
+    assert (
+        found[0]["tokens"] == [outs[1][5], flipped[5]]
+        and found[0]["margin"] >= found[0]["top2_gap"] >= 0
+    )
+    assert describe_mismatches(found).startswith(
+        "1 outputs differ, widest top-2 gap at a difference "
+    )
     assert describe_mismatches([]) == "none"
 
 
@@ -334,8 +553,12 @@ def test_packaged_prompt_sets_by_name():
     assert {"default", "heldout"} <= set(available_prompt_sets())
     held = load_prompts("heldout")
     kinds = {p.category for p in held}
-    assert kinds == {"summarization", "rag", "translation", "math", "qa", "chat"} and len(held) == 18
-    assert max(len(p.text) for p in held if p.category in ("summarization", "rag")) > 2800  # long contexts
+    assert (
+        kinds == {"summarization", "rag", "translation", "math", "qa", "chat"} and len(held) == 18
+    )
+    assert (
+        max(len(p.text) for p in held if p.category in ("summarization", "rag")) > 2800
+    )  # long contexts
     chats = [p for p in held if p.category == "chat"]
     assert all(len(p.messages) >= 3 and p.messages[-1]["role"] == "user" for p in chats)
 
@@ -351,13 +574,34 @@ def test_bench_grafts_drafts_from_the_drafters_lookup_store(tmp_path, tiny):
 
     saved = init_drafter("parallel", tiny, k=3, depth=1).save(tmp_path / "drafter")
     prompt = load_prompts(None, 1)[0]
-    answer = autoregressive_generate(tiny, tiny.encode_prompt(prompt.messages), SamplingParams(max_new_tokens=24)).tokens
+    answer = autoregressive_generate(
+        tiny, tiny.encode_prompt(prompt.messages), SamplingParams(max_new_tokens=24)
+    ).tokens
     NgramStore.build([answer], NgramSpec()).save(saved / STORE_FILE)
     tau = {}
     for n in ("0", "3"):
         out = tmp_path / f"b{n}.json"
-        rc = main(["bench", "--target", "tiny-llama", "--drafter", str(saved), "--limit", "1", "--max-new-tokens", "24",
-                   "--k", "1", "--methods", "draftlab_chain_ngram", "--ngram-store-tokens", n, "--json", str(out)])
+        rc = main(
+            [
+                "bench",
+                "--target",
+                "tiny-llama",
+                "--drafter",
+                str(saved),
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "24",
+                "--k",
+                "1",
+                "--methods",
+                "draftlab_chain_ngram",
+                "--ngram-store-tokens",
+                n,
+                "--json",
+                str(out),
+            ]
+        )
         assert rc == 0
         report = json.loads(out.read_text())
         assert report["greedy_identical"]

@@ -36,25 +36,38 @@ def test_a_device_this_machine_lacks(capsys, command):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    one_line_error(capsys, [command, "--target", "tiny-llama", "--device", "cuda"], "use --device cpu")
+    one_line_error(
+        capsys, [command, "--target", "tiny-llama", "--device", "cuda"], "use --device cpu"
+    )
 
 
 @pytest.mark.parametrize("argv", [["runs"], ["promote", "0123abcd"]], ids=["runs", "promote"])
 def test_an_mlflow_server_that_does_not_answer(capsys, argv):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    one_line_error(capsys, [*argv, "--tracking-uri", dead], f"MLflow at {dead} does not answer", within_s=30)
+    one_line_error(
+        capsys, [*argv, "--tracking-uri", dead], f"MLflow at {dead} does not answer", within_s=30
+    )
 
 
 def test_select_tree_on_a_directory_that_is_not_a_drafter(capsys, tmp_path):
     cfg = tmp_path / "distill.yaml"
-    cfg.write_text(yaml.safe_dump({"name": "x", "target": {"name": "tiny-llama"}, "storage_path": str(tmp_path)}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"name": "x", "target": {"name": "tiny-llama"}, "storage_path": str(tmp_path)}
+        )
+    )
     (tmp_path / "empty").mkdir()
-    one_line_error(capsys, ["select-tree", "-c", str(cfg), "--drafter", str(tmp_path / "empty")],
-                   "is not a drafter directory")
+    one_line_error(
+        capsys,
+        ["select-tree", "-c", str(cfg), "--drafter", str(tmp_path / "empty")],
+        "is not a drafter directory",
+    )
 
 
 def test_export_of_a_directory_that_is_not_a_drafter(capsys, tmp_path):
-    one_line_error(capsys, ["export", str(tmp_path), str(tmp_path / "out")], "is not a drafter directory")
+    one_line_error(
+        capsys, ["export", str(tmp_path), str(tmp_path / "out")], "is not a drafter directory"
+    )
 
 
 def test_generate_check_names_the_stale_file(tmp_path):
@@ -64,9 +77,18 @@ def test_generate_check_names_the_stale_file(tmp_path):
         copy = shutil.copytree if (ROOT / rel).is_dir() else shutil.copy
         copy(ROOT / rel, tmp_path / rel)
     (tmp_path / "docs" / "configuration.md").write_text("stale\n")
-    out = subprocess.run([sys.executable, "-m", "draftlab.cli", "generate", "--check"], capture_output=True, text=True,
-                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "platform")}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "draftlab.cli", "generate", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "platform")},
+        timeout=120,
+    )
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1, out.stderr
-    assert err[0] == "draftlab generate: error: stale generated files (run `draftlab generate`): docs/configuration.md"
+    assert (
+        err[0]
+        == "draftlab generate: error: stale generated files (run `draftlab generate`): docs/configuration.md"
+    )
     assert (tmp_path / "docs" / "configuration.md").read_text() == "stale\n"

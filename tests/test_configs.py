@@ -24,7 +24,9 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", JOB_CONFIGS, ids=lambda p: p.name)
 def test_job_config_validates_and_documents_its_command(path):
     text = path.read_text()
-    assert text.startswith(("# ray job submit", "# draftlab ")), "first line must give the command that runs it"
+    assert text.startswith(("# ray job submit", "# draftlab ")), (
+        "first line must give the command that runs it"
+    )
     assert path.name in text.splitlines()[0] or "--quick" in text.splitlines()[0]
     if "python " in text:
         script = text.split("python ", 1)[1].split()[0]
@@ -59,13 +61,18 @@ def test_overrides_and_missing_file(tmp_path):
 
 def test_distill_config_errors_name_fields(tmp_path):
     f = tmp_path / "d.yaml"
-    f.write_text("drafter: {family: parallel, k: 0}\ntrain: {lr: -1, epohcs: 3}\nscaling: {placement_strategy: RANDOM}\n")
+    f.write_text(
+        "drafter: {family: parallel, k: 0}\ntrain: {lr: -1, epohcs: 3}\nscaling: {placement_strategy: RANDOM}\n"
+    )
     with pytest.raises(ConfigError) as e:
         load_yaml(DistillConfig, f)
     msg = str(e.value)
     assert "drafter.k: Input should be greater than or equal to 1" in msg
     assert "train.lr:" in msg and "train.epohcs: unknown key" in msg
-    assert "scaling.placement_strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'" in msg
+    assert (
+        "scaling.placement_strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'"
+        in msg
+    )
 
 
 def test_the_chain_of_the_final_bench_fits_the_drafter(tmp_path):
@@ -94,7 +101,9 @@ def _literal_fields(model, prefix=""):
                 yield from _literal_fields(tp, f"{prefix}{name}.")
 
 
-@pytest.mark.parametrize("title,path", [(t, p) for t, p, _ in __import__("draftlab.docs").docs.MODELS])
+@pytest.mark.parametrize(
+    "title,path", [(t, p) for t, p, _ in __import__("draftlab.docs").docs.MODELS]
+)
 def test_every_config_kind_names_file_field_and_allowed_values(tmp_path, title, path):
     """For each config model: an unknown key (top level and in each section) lists the
     allowed keys; every Literal field's bad value lists the allowed values; all name the file."""
@@ -105,16 +114,27 @@ def test_every_config_kind_names_file_field_and_allowed_values(tmp_path, title, 
 
     model = load_model(path)
     required = {"name": "x", "distill": "d.yaml", "base": "b.yaml"}
-    base = {k: v for k, v in required.items() if k in model.model_fields and model.model_fields[k].is_required()}
-    sections = [n for n, f in model.model_fields.items() if isinstance(f.annotation, type)
-                and issubclass(f.annotation, BaseModel)]
+    base = {
+        k: v
+        for k, v in required.items()
+        if k in model.model_fields and model.model_fields[k].is_required()
+    }
+    sections = [
+        n
+        for n, f in model.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    ]
     for where in ["", *(f"{s}." for s in sections)]:
         f = tmp_path / "c.yaml"
-        f.write_text(yaml.safe_dump(apply_dotted(json.loads(json.dumps(base)), {f"{where}colour": "red"})))
+        f.write_text(
+            yaml.safe_dump(apply_dotted(json.loads(json.dumps(base)), {f"{where}colour": "red"}))
+        )
         with pytest.raises(ConfigError) as e:
             load_yaml(model, f)
         section = model if not where else model.model_fields[where[:-1]].annotation
-        assert str(f) in str(e.value) and f"{where}colour: unknown key (allowed: " in str(e.value), str(e.value)
+        assert str(f) in str(e.value) and f"{where}colour: unknown key (allowed: " in str(
+            e.value
+        ), str(e.value)
         assert ", ".join(section.model_fields) in str(e.value)
     for dotted, allowed, in_list in _literal_fields(model):
         bad = ["no-such-value"] if in_list else "no-such-value"
@@ -156,15 +176,25 @@ def _served_apps(tmp_path: Path) -> list[tuple[str, object]]:
     manifest embedding a Serve config (RayService `serveConfigV2`), through `load_serve_config`."""
     from draftlab.serve.control import load_serve_config
 
-    docs = [(p.relative_to(ROOT).as_posix(), yaml.safe_load(p.read_text())) for p in sorted((ROOT / "serving").glob("*.yaml"))]
+    docs = [
+        (p.relative_to(ROOT).as_posix(), yaml.safe_load(p.read_text()))
+        for p in sorted((ROOT / "serving").glob("*.yaml"))
+    ]
     for p in sorted((ROOT / "infra").rglob("*.yaml")):
         for d in yaml.safe_load_all(p.read_text()):
             if isinstance(d, dict) and "serveConfigV2" in (d.get("spec") or {}):
-                docs.append((f"{p.relative_to(ROOT).as_posix()}:serveConfigV2", yaml.safe_load(d["spec"]["serveConfigV2"])))
+                docs.append(
+                    (
+                        f"{p.relative_to(ROOT).as_posix()}:serveConfigV2",
+                        yaml.safe_load(d["spec"]["serveConfigV2"]),
+                    )
+                )
     apps = []
     for where, doc in docs:
         for i, app in enumerate(doc["applications"]):
-            f = tmp_path / f"app-{len(apps)}.yaml"  # one application per file: the loader reads the first
+            f = (
+                tmp_path / f"app-{len(apps)}.yaml"
+            )  # one application per file: the loader reads the first
             f.write_text(yaml.safe_dump({"applications": [app]}))
             apps.append((f"{where}: applications[{i}]", load_serve_config(f)["args"]))
     return apps
@@ -187,11 +217,19 @@ def test_catalogue_serves_what_it_trains(tmp_path):
             continue  # an explicit drafter directory, not a catalogue entry
         name = _parse_models_uri(args.model_uri or default_model_uri(args))[0]
         if name not in registered:
-            problems.append(f"{where}: {name} is registered by no config (registered: {sorted(registered)})")
+            problems.append(
+                f"{where}: {name} is registered by no config (registered: {sorted(registered)})"
+            )
             continue
         (trained_for,) = registered[name]
-        if "target" in args.model_fields_set and "name" in args.target.model_fields_set and args.target.name != trained_for:
-            problems.append(f"{where}: target {args.target.name!r}, but {name} is trained for {trained_for!r}")
+        if (
+            "target" in args.model_fields_set
+            and "name" in args.target.model_fields_set
+            and args.target.name != trained_for
+        ):
+            problems.append(
+                f"{where}: target {args.target.name!r}, but {name} is trained for {trained_for!r}"
+            )
     assert not problems, "\n".join(problems)
     # the pipelines' endpoints serve the target they distil
     from draftlab.pipeline.compose import load_pipeline

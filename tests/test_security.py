@@ -15,7 +15,9 @@ from draftlab.models.target import load_target
 from draftlab.tracking import REDACTED, prepare_params
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "platform" / "draftlab").rglob("*.py")) + sorted((ROOT / "jobs").glob("*.py"))
+SOURCES = sorted((ROOT / "platform" / "draftlab").rglob("*.py")) + sorted(
+    (ROOT / "jobs").glob("*.py")
+)
 PICKLE_MODULES = {"pickle", "cPickle", "dill", "joblib", "cloudpickle", "shelve", "marshal"}
 
 
@@ -25,13 +27,22 @@ def _calls_and_imports(path: Path):
             yield from (("import", a.name.split(".")[0]) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             yield "import", node.module.split(".")[0]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+        ):
             yield "call", f"{node.func.value.id}.{node.func.attr}"
 
 
 def test_no_pickle_anywhere_in_the_package():
-    found = [(p.relative_to(ROOT), what) for p in SOURCES for kind, what in _calls_and_imports(p)
-             if (kind == "import" and what in PICKLE_MODULES) or (kind == "call" and what in ("torch.load", "np.load"))]
+    found = [
+        (p.relative_to(ROOT), what)
+        for p in SOURCES
+        for kind, what in _calls_and_imports(p)
+        if (kind == "import" and what in PICKLE_MODULES)
+        or (kind == "call" and what in ("torch.load", "np.load"))
+    ]
     assert found == []
 
 
@@ -59,24 +70,43 @@ def test_a_drafter_dir_without_safetensors_is_refused(tmp_path, tiny):
 
 def test_remote_code_is_off_unless_enabled_per_model():
     assert TargetSpec().trust_remote_code is False
-    for path in [*ROOT.glob("jobs/configs/*.yaml"), *ROOT.glob("serving/*.yaml"), *ROOT.glob("sweeps/*.yaml")]:
+    for path in [
+        *ROOT.glob("jobs/configs/*.yaml"),
+        *ROOT.glob("serving/*.yaml"),
+        *ROOT.glob("sweeps/*.yaml"),
+    ]:
         assert "trust_remote_code: true" not in path.read_text().lower(), path
 
 
 def test_ray_token_auth_is_never_switched_off():
-    texts = [p.read_text() for p in SOURCES] + [p.read_text() for p in (ROOT / "infra").rglob("*") if p.is_file()]
+    texts = [p.read_text() for p in SOURCES] + [
+        p.read_text() for p in (ROOT / "infra").rglob("*") if p.is_file()
+    ]
     for text in texts:
-        assert "RAY_AUTH_MODE=disabled" not in text.replace('"', "").replace("'", "").replace(": ", "=")
+        assert "RAY_AUTH_MODE=disabled" not in text.replace('"', "").replace("'", "").replace(
+            ": ", "="
+        )
         assert "--disable-auth" not in text
 
 
 def test_credentials_are_redacted_from_mlflow_params():
-    params = prepare_params({"serve": {"overrides": {"api_keys": ["sk-live-1"], "autoscaling.max_replicas": 2}},
-                             "tracking": {"aws_secret_access_key": "abc", "tracking_uri": "http://mlflow:5000"},
-                             "hfToken": "hf_123", "data": {"source": {"path": "prompts.jsonl"}}})
-    assert params["serve.overrides.api_keys"] == REDACTED and params["tracking.aws_secret_access_key"] == REDACTED
+    params = prepare_params(
+        {
+            "serve": {"overrides": {"api_keys": ["sk-live-1"], "autoscaling.max_replicas": 2}},
+            "tracking": {"aws_secret_access_key": "abc", "tracking_uri": "http://mlflow:5000"},
+            "hfToken": "hf_123",
+            "data": {"source": {"path": "prompts.jsonl"}},
+        }
+    )
+    assert (
+        params["serve.overrides.api_keys"] == REDACTED
+        and params["tracking.aws_secret_access_key"] == REDACTED
+    )
     assert params["hfToken"] == REDACTED
-    assert params["tracking.tracking_uri"] == "http://mlflow:5000" and params["data.source.path"] == "prompts.jsonl"
+    assert (
+        params["tracking.tracking_uri"] == "http://mlflow:5000"
+        and params["data.source.path"] == "prompts.jsonl"
+    )
     assert "sk-live-1" not in str(params) and "hf_123" not in str(params)
 
 
@@ -85,7 +115,9 @@ def test_api_keys_from_a_file_and_the_environment(tmp_path, monkeypatch):
     keys.write_text("# rotated 2026-11\nkey-a\n\n  key-b  \n")
     monkeypatch.setenv("DRAFTLAB_TEST_KEYS", "key-c, key-d")
     args = ServeArgs(api_keys=["key-0"], api_keys_env="DRAFTLAB_TEST_KEYS", api_keys_file=str(keys))
-    assert args.accepted_keys() == ["key-0", "key-c", "key-d", "key-a", "key-b"] and args.auth_enabled
+    assert (
+        args.accepted_keys() == ["key-0", "key-c", "key-d", "key-a", "key-b"] and args.auth_enabled
+    )
     missing = ServeArgs(api_keys_file=str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="api_keys_file .* cannot be read"):
         missing.accepted_keys()

@@ -54,24 +54,36 @@ def test_smollm2_verify_rows_equal_decoding_bitwise(target):
     target.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
     for s in range(48):
         ctx = len(ids) + s
-        block, _ = target.forward(torch.tensor(tokens[s : s + 4]), torch.arange(ctx, ctx + 4), cache,
-                                  rows=[ctx + i + 1 for i in range(4)])
+        block, _ = target.forward(
+            torch.tensor(tokens[s : s + 4]),
+            torch.arange(ctx, ctx + 4),
+            cache,
+            rows=[ctx + i + 1 for i in range(4)],
+        )
         for i in range(4):
             if exact:
                 assert torch.equal(block[i], decoded[s + i]), f"block at {ctx}, row {i}"
             else:
-                torch.testing.assert_close(block[i], decoded[s + i], rtol=0, atol=1e-3, msg=f"block at {ctx}, row {i}")
-                assert int(block[i].argmax()) == int(decoded[s + i].argmax()), f"block at {ctx}, row {i}"
+                torch.testing.assert_close(
+                    block[i], decoded[s + i], rtol=0, atol=1e-3, msg=f"block at {ctx}, row {i}"
+                )
+                assert int(block[i].argmax()) == int(decoded[s + i].argmax()), (
+                    f"block at {ctx}, row {i}"
+                )
         keep_rows(cache, ctx, [0])  # keep the first row: the cache advances one token
 
 
-@pytest.mark.parametrize("tree", [Tree.chain(4), load_tree("default").with_ngram()], ids=["chain-4", "default+ngram"])
+@pytest.mark.parametrize(
+    "tree", [Tree.chain(4), load_tree("default").with_ngram()], ids=["chain-4", "default+ngram"]
+)
 def test_smollm2_accepted_drafts_identical(target, tree):
     """Accepted rows (and the KV rows they leave in the cache) in bf16 on the real target:
     an oracle drafter right for two tokens per round, then wrong."""
     ids = target.encode_prompt("Write a short story about a lighthouse keeper and a storm.")
     params = SamplingParams(max_new_tokens=40)  # >= 13 rounds
     ref = autoregressive_generate(target, ids, params)
-    out = SpeculativeDecoder(target, OracleDrafter(target, ids, wrong_after=2), tree).generate(ids, params)
+    out = SpeculativeDecoder(target, OracleDrafter(target, ids, wrong_after=2), tree).generate(
+        ids, params
+    )
     assert out.tokens == ref.tokens
     assert out.stats.tau > 2.0  # drafts were accepted, not only rejected

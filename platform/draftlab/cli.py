@@ -39,7 +39,9 @@ __all__ = ["build_parser", "main", "package_version"]
 
 
 def _target(a: argparse.Namespace) -> TargetSpec:
-    return TargetSpec(name=a.target, device=a.device, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
+    return TargetSpec(
+        name=a.target, device=a.device, dtype=a.dtype, trust_remote_code=a.trust_remote_code
+    )
 
 
 def _distill(a: argparse.Namespace) -> None:
@@ -56,26 +58,46 @@ def _select_tree(a: argparse.Namespace) -> None:
     report = choose_tree_for_run(cfg, a.drafter)
     for c in report["candidates"]:
         ngram = c.get("ngram")
-        lookups = "" if not ngram else (f" +lookups ({ngram['store_tokens']} from the store, paths carried on by "
-                                         f"{ngram['extend']} from depth {ngram['extend_from']}) in {c['lookup_rounds']:.0%} of rounds")
-        print(f"{c['nodes']:3d} nodes, depth {c['depth']}{lookups}: replayed tau {c['tau']:.3f}, "
-              f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}")
-    print(f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)")
+        lookups = (
+            ""
+            if not ngram
+            else (
+                f" +lookups ({ngram['store_tokens']} from the store, paths carried on by "
+                f"{ngram['extend']} from depth {ngram['extend_from']}) in {c['lookup_rounds']:.0%} of rounds"
+            )
+        )
+        print(
+            f"{c['nodes']:3d} nodes, depth {c['depth']}{lookups}: replayed tau {c['tau']:.3f}, "
+            f"verify {c['verify_ms']:.1f} ms, predicted speedup {c['predicted_speedup']:.3f}"
+        )
+    print(
+        f"decode step {report['decode_ms']:.1f} ms; chosen: {report['chosen']} (saved as tree.json)"
+    )
 
 
 def _sweep(a: argparse.Namespace) -> None:
     from draftlab.sweep.runner import format_table, resume_sweep, run_sweep  # noqa: PLC0415 -- Ray Tune
 
     if bool(a.config) == bool(a.resume):
-        raise ConfigError("give exactly one of -c SWEEP.yaml (a new sweep) or --resume PATH (an interrupted one)")
+        raise ConfigError(
+            "give exactly one of -c SWEEP.yaml (a new sweep) or --resume PATH (an interrupted one)"
+        )
     if a.resume and a.overrides:
-        raise ConfigError("--resume continues the sweep as it was defined: overrides are not allowed")
-    summary = resume_sweep(a.resume, not a.quiet) if a.resume else run_sweep(a.config, parse_overrides(a.overrides), not a.quiet)
+        raise ConfigError(
+            "--resume continues the sweep as it was defined: overrides are not allowed"
+        )
+    summary = (
+        resume_sweep(a.resume, not a.quiet)
+        if a.resume
+        else run_sweep(a.config, parse_overrides(a.overrides), not a.quiet)
+    )
     print(format_table(summary))
     best, champ = summary.get("best"), summary.get("champion")
     if best:
-        print(f"best: K={best['k']} depth={best['depth']} tree={best['tree']}: tau {best['tau']:.3f}, "
-              f"speedup_vs_ar {best['speedup_vs_ar']:.3f} (MLflow run {best['mlflow_run_id']})")
+        print(
+            f"best: K={best['k']} depth={best['depth']} tree={best['tree']}: tau {best['tau']:.3f}, "
+            f"speedup_vs_ar {best['speedup_vs_ar']:.3f} (MLflow run {best['mlflow_run_id']})"
+        )
     if champ:
         print(f"champion: {champ['model']} version {champ['version']} @{champ['alias']}")
     print(f"wall {summary['wall_s']:.0f} s; results in {summary['experiment_dir']}/results")
@@ -86,7 +108,9 @@ def _sweep(a: argparse.Namespace) -> None:
 def _promote(a: argparse.Namespace) -> None:
     out = promote(a.run_id, a.model, a.alias, a.tracking_uri)
     was = f" (was version {out['previous']}, kept)" if out["previous"] else ""
-    print(f"{out['model']} version {out['version']} (run {out['run_id']}) is now @{out['alias']}{was}")
+    print(
+        f"{out['model']} version {out['version']} (run {out['run_id']}) is now @{out['alias']}{was}"
+    )
 
 
 def _serve(a: argparse.Namespace) -> None:
@@ -96,7 +120,9 @@ def _serve(a: argparse.Namespace) -> None:
         print(json.dumps(control.status(), indent=2) if a.status else control.shutdown(a.name))
         return
     if a.config and (a.model_uri or a.drafter or a.target):
-        raise ConfigError("give either -c SERVE_CONFIG or --model-uri / --target / --drafter, not both")
+        raise ConfigError(
+            "give either -c SERVE_CONFIG or --model-uri / --target / --drafter, not both"
+        )
     if a.model_uri and a.drafter:
         raise ConfigError("give --model-uri or --drafter, not both")
     if a.config:
@@ -106,21 +132,41 @@ def _serve(a: argparse.Namespace) -> None:
         from draftlab.serve.app import build_app  # noqa: PLC0415
         from draftlab.serve.vllm_app import build_vllm_app  # noqa: PLC0415
 
-        builder, args = (build_vllm_app, VllmServeArgs()) if a.engine == "vllm" else (build_app, ServeArgs())
-        spec = {"builder": builder, "args": args, "name": control.DEFAULT_APP, "route_prefix": "/",
-                "host": "127.0.0.1", "port": 8000}
+        builder, args = (
+            (build_vllm_app, VllmServeArgs()) if a.engine == "vllm" else (build_app, ServeArgs())
+        )
+        spec = {
+            "builder": builder,
+            "args": args,
+            "name": control.DEFAULT_APP,
+            "route_prefix": "/",
+            "host": "127.0.0.1",
+            "port": 8000,
+        }
     vllm = isinstance(spec["args"], VllmServeArgs)
     if a.engine and a.engine != ("vllm" if vllm else "draftlab"):
-        raise ConfigError(f"{a.config} serves with --engine {'vllm' if vllm else 'draftlab'}, not --engine {a.engine}")
+        raise ConfigError(
+            f"{a.config} serves with --engine {'vllm' if vllm else 'draftlab'}, not --engine {a.engine}"
+        )
     if vllm and a.tree:
-        raise ConfigError("--tree needs --engine draftlab: vLLM verifies a chain of num_speculative_tokens")
-    flags = {"model_uri": a.model_uri, "drafter": a.drafter, "tracking_uri": a.tracking_uri,
-             "engine.tree": a.tree, ("speculation" if vllm else "engine.speculation"): a.speculation} | (
-                {"target.name": a.target} if a.target else {})
-    data = apply_dotted(spec["args"].model_dump(exclude_unset=True), {k: v for k, v in flags.items() if v is not None}
-                        | parse_overrides(a.overrides))
+        raise ConfigError(
+            "--tree needs --engine draftlab: vLLM verifies a chain of num_speculative_tokens"
+        )
+    flags = {
+        "model_uri": a.model_uri,
+        "drafter": a.drafter,
+        "tracking_uri": a.tracking_uri,
+        "engine.tree": a.tree,
+        ("speculation" if vllm else "engine.speculation"): a.speculation,
+    } | ({"target.name": a.target} if a.target else {})
+    data = apply_dotted(
+        spec["args"].model_dump(exclude_unset=True),
+        {k: v for k, v in flags.items() if v is not None} | parse_overrides(a.overrides),
+    )
     spec["args"] = type(spec["args"]).model_validate(data)
-    spec |= {k: v for k, v in {"host": a.host, "port": a.port, "name": a.name}.items() if v is not None}
+    spec |= {
+        k: v for k, v in {"host": a.host, "port": a.port, "name": a.name}.items() if v is not None
+    }
     control.deploy(spec, blocking=False if a.detach else None)
 
 
@@ -128,10 +174,20 @@ def _loadtest(a: argparse.Namespace) -> None:
     from draftlab.serve.loadtest import run_loadtest  # noqa: PLC0415 -- httpx (~70 ms)
 
     cfg = LoadtestConfig(
-        url=a.url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
-        requests=a.requests, speculation=a.speculation, prompts=a.prompts,
-        max_tokens=a.max_tokens, temperature=a.temperature, stream=not a.no_stream, json_out=a.json_out,
-        duration_s=a.duration, window_s=a.window, warmup=a.warmup,
+        url=a.url,
+        model=a.model,
+        api_key=a.api_key,
+        concurrency=a.concurrency,
+        requests=a.requests,
+        speculation=a.speculation,
+        prompts=a.prompts,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        stream=not a.no_stream,
+        json_out=a.json_out,
+        duration_s=a.duration,
+        window_s=a.window,
+        warmup=a.warmup,
     )
     print(json.dumps(run_loadtest(cfg), indent=2))
 
@@ -153,7 +209,9 @@ def _submit(a: argparse.Namespace) -> None:
     if len(env) != len(a.env):
         raise ConfigError("--env takes KEY=VALUE")
     job_id = submit.submit(a.kind, a.config, a.overrides, a.address, a.pip, env)
-    print(f"submitted {a.kind} job {job_id}\n  draftlab jobs logs {job_id} --follow\n  draftlab jobs stop {job_id}")
+    print(
+        f"submitted {a.kind} job {job_id}\n  draftlab jobs logs {job_id} --follow\n  draftlab jobs stop {job_id}"
+    )
     if a.follow:
         submit.logs(job_id, a.address, follow=True)
         print(submit.status(job_id, a.address))
@@ -173,14 +231,22 @@ def _jobs(a: argparse.Namespace) -> None:
 
 def _report(a: argparse.Namespace) -> None:
     out = write_report(a.source, a.out, a.tracking_uri, log=not a.no_log)
-    print(f"wrote {out['html']} and {out['markdown']}" + (f"; logged to MLflow run {out['logged_to']}" if out["logged_to"] else ""))
+    print(
+        f"wrote {out['html']} and {out['markdown']}"
+        + (f"; logged to MLflow run {out['logged_to']}" if out["logged_to"] else "")
+    )
 
 
 def _generate(a: argparse.Namespace) -> None:
     changed = docs.regenerate(a.check) + infra.regenerate(a.check)
     if a.check and changed:
-        raise ConfigError(f"stale generated files (run `draftlab generate`): {', '.join(map(str, changed))}")
-    print("\n".join(f"{'stale' if a.check else 'wrote'} {c}" for c in changed) or "generated files are up to date")
+        raise ConfigError(
+            f"stale generated files (run `draftlab generate`): {', '.join(map(str, changed))}"
+        )
+    print(
+        "\n".join(f"{'stale' if a.check else 'wrote'} {c}" for c in changed)
+        or "generated files are up to date"
+    )
 
 
 def _runs(a: argparse.Namespace) -> None:
@@ -199,13 +265,35 @@ def _bench(a: argparse.Namespace) -> None:
     from draftlab.bench import render_table, run_bench  # noqa: PLC0415 -- torch
 
     cfg = BenchConfig(
-        target=_target(a), drafter=a.drafter, prompts=a.prompts, limit=a.limit, max_new_tokens=a.max_new_tokens,
-        k=a.k, depth=a.depth, tree=a.tree, trees=a.trees, versus=a.versus, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-        warmup=a.warmup, methods=a.methods, json_out=a.json_out,
-        ngram=NgramSpec(tokens=a.ngram_tokens, min_match=a.ngram_min, max_match=a.ngram_max, store_tokens=a.ngram_store_tokens, grow_to=a.ngram_grow_to,
-                        extend=a.ngram_extend),
-        vllm=VllmBenchSpec(memory_fraction=a.vllm_memory_fraction, draft_lengths=a.vllm_draft_lengths),
-        concurrency=a.concurrency, load_all=a.load_all,
+        target=_target(a),
+        drafter=a.drafter,
+        prompts=a.prompts,
+        limit=a.limit,
+        max_new_tokens=a.max_new_tokens,
+        k=a.k,
+        depth=a.depth,
+        tree=a.tree,
+        trees=a.trees,
+        versus=a.versus,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        seed=a.seed,
+        warmup=a.warmup,
+        methods=a.methods,
+        json_out=a.json_out,
+        ngram=NgramSpec(
+            tokens=a.ngram_tokens,
+            min_match=a.ngram_min,
+            max_match=a.ngram_max,
+            store_tokens=a.ngram_store_tokens,
+            grow_to=a.ngram_grow_to,
+            extend=a.ngram_extend,
+        ),
+        vllm=VllmBenchSpec(
+            memory_fraction=a.vllm_memory_fraction, draft_lengths=a.vllm_draft_lengths
+        ),
+        concurrency=a.concurrency,
+        load_all=a.load_all,
     )
     report = run_bench(cfg)
     print(render_table(report))
@@ -216,18 +304,34 @@ def _bench(a: argparse.Namespace) -> None:
 def _profile(a: argparse.Namespace) -> None:
     from draftlab.profiling import run_profile  # noqa: PLC0415 -- torch
 
-    lists = {name: getattr(a, name) for name in ("new_tokens", "trees", "depths", "ks") if getattr(a, name) is not None}
-    cfg = ProfileConfig(target=_target(a), context=a.context, repeats=a.repeats, json_out=a.json_out, **lists)
+    lists = {
+        name: getattr(a, name)
+        for name in ("new_tokens", "trees", "depths", "ks")
+        if getattr(a, name) is not None
+    }
+    cfg = ProfileConfig(
+        target=_target(a), context=a.context, repeats=a.repeats, json_out=a.json_out, **lists
+    )
     print(json.dumps(run_profile(cfg), indent=2))
 
 
 def _doctor(a: argparse.Namespace) -> None:
     from draftlab.doctor import run_doctor  # noqa: PLC0415 -- torch, transformers
 
-    given = {"checks": a.checks, "target": a.target, "identity_shape": a.identity_shape, "speed_shape": a.speed_shape,
-             "dtypes": a.dtypes, "contexts": a.contexts, "new_tokens": a.new_tokens, "acceptance": a.acceptance,
-             "json_out": a.json_out}
-    cfg = DoctorConfig(device="cuda" if a.gpu else a.device, **{k: v for k, v in given.items() if v is not None})
+    given = {
+        "checks": a.checks,
+        "target": a.target,
+        "identity_shape": a.identity_shape,
+        "speed_shape": a.speed_shape,
+        "dtypes": a.dtypes,
+        "contexts": a.contexts,
+        "new_tokens": a.new_tokens,
+        "acceptance": a.acceptance,
+        "json_out": a.json_out,
+    }
+    cfg = DoctorConfig(
+        device="cuda" if a.gpu else a.device, **{k: v for k, v in given.items() if v is not None}
+    )
     out = open(cfg.json_out, "w") if cfg.json_out else None  # noqa: SIM115 -- closed below, after every line
 
     def emit(line: dict) -> None:
@@ -247,9 +351,24 @@ def _doctor(a: argparse.Namespace) -> None:
         raise DraftlabError(f"checks failed: {', '.join(failed)} (their lines say why)")
 
 
-COMMANDS = {"bench": _bench, "profile": _profile, "doctor": _doctor, "distill": _distill, "select-tree": _select_tree, "sweep": _sweep, "promote": _promote, "runs": _runs,
-            "serve": _serve, "loadtest": _loadtest, "pipeline": _pipeline, "submit": _submit, "jobs": _jobs, "report": _report,
-            "generate": _generate, "export": _export}
+COMMANDS = {
+    "bench": _bench,
+    "profile": _profile,
+    "doctor": _doctor,
+    "distill": _distill,
+    "select-tree": _select_tree,
+    "sweep": _sweep,
+    "promote": _promote,
+    "runs": _runs,
+    "serve": _serve,
+    "loadtest": _loadtest,
+    "pipeline": _pipeline,
+    "submit": _submit,
+    "jobs": _jobs,
+    "report": _report,
+    "generate": _generate,
+    "export": _export,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,10 +384,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[args.command](args)
     except ValidationError as e:
-        print(f"draftlab {args.command}: " + format_validation_error(e, "command-line options"), file=sys.stderr)
+        print(
+            f"draftlab {args.command}: " + format_validation_error(e, "command-line options"),
+            file=sys.stderr,
+        )
         return 2
-    except (ConfigError, DraftlabError, ValueError, KeyError, FileNotFoundError, OSError, NotImplementedError,
-            ConnectionError) as e:
+    except (
+        ConfigError,
+        DraftlabError,
+        ValueError,
+        KeyError,
+        FileNotFoundError,
+        OSError,
+        NotImplementedError,
+        ConnectionError,
+    ) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"draftlab {args.command}: error: {msg}", file=sys.stderr)
         return 2

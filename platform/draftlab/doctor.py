@@ -52,9 +52,20 @@ from draftlab.profiling import draft_ms, profile_target, verify_ms
 # A trained drafter's held-out conditional rank acceptance (see its "source"): the search
 # check's table when none is given.
 PACKAGED_ACCEPTANCE = Path(__file__).parent / "decoding" / "rates" / "smollm2-135m-p-eagle-k4.json"
-CPU_DEFAULTS = {"identity_shape": "tiny", "speed_shape": "tiny", "contexts": [64], "train_batch": 2, "train_seq": 64}
-CUDA_DEFAULTS = {"identity_shape": "llama-3.2-1b", "speed_shape": "llama-3.1-8b", "contexts": [512, 2048],
-                 "train_batch": 8, "train_seq": 1024}
+CPU_DEFAULTS = {
+    "identity_shape": "tiny",
+    "speed_shape": "tiny",
+    "contexts": [64],
+    "train_batch": 2,
+    "train_seq": 64,
+}
+CUDA_DEFAULTS = {
+    "identity_shape": "llama-3.2-1b",
+    "speed_shape": "llama-3.1-8b",
+    "contexts": [512, 2048],
+    "train_batch": 8,
+    "train_seq": 1024,
+}
 
 
 def with_defaults(cfg: DoctorConfig, device: torch.device) -> DoctorConfig:
@@ -63,20 +74,40 @@ def with_defaults(cfg: DoctorConfig, device: torch.device) -> DoctorConfig:
     return cfg.model_copy(update={k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
-def build_target(cfg: DoctorConfig, shape: str, device: torch.device, dtype: torch.dtype,
-                 attention: str = "auto") -> Target:
+def build_target(
+    cfg: DoctorConfig, shape: str, device: torch.device, dtype: torch.dtype, attention: str = "auto"
+) -> Target:
     """The configured local target, or a random-weight Llama of `shape` built on `device`."""
     if cfg.target is not None:
-        return load_target(TargetSpec(name=cfg.target, device=device.type, attention=attention,
-                                      dtype=str(dtype).removeprefix("torch.")))
+        return load_target(
+            TargetSpec(
+                name=cfg.target,
+                device=device.type,
+                attention=attention,
+                dtype=str(dtype).removeprefix("torch."),
+            )
+        )
     s = SHAPES[shape]
-    config = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                         num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                         max_position_embeddings=8192, initializer_range=s.init, tie_word_embeddings=False)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+    config = LlamaConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=8192,
+        initializer_range=s.init,
+        tie_word_embeddings=False,
+    )
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        torch.device(device),
+    ):
         torch.manual_seed(0)  # the same weights for every dtype and attention
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return assemble_target(f"random-{shape}", model, numbered_tokenizer(s.vocab), device, dtype, attention)
+    return assemble_target(
+        f"random-{shape}", model, numbered_tokenizer(s.vocab), device, dtype, attention
+    )
 
 
 def random_prompts(target: Target, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -93,7 +124,11 @@ class ReplayDrafter:
     aux_layers = ()  # reads no target features
 
     def __init__(self, sequence: list[int], vocab: int, device: torch.device):
-        self.sequence, self.vocab, self.device = sequence, vocab, device  # prompt + reference output
+        self.sequence, self.vocab, self.device = (
+            sequence,
+            vocab,
+            device,
+        )  # prompt + reference output
 
     def check_k(self, k: int) -> None:
         pass
@@ -101,8 +136,14 @@ class ReplayDrafter:
     def new_state(self) -> list[int]:
         return self.sequence[:1]  # the first prompt token is never pending
 
-    def propose(self, state: list[int], tokens: torch.Tensor, hidden: torch.Tensor, k: int,
-                pick: Callable[[int, torch.Tensor], int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(
+        self,
+        state: list[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        k: int,
+        pick: Callable[[int, torch.Tensor], int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         state.extend(tokens.tolist())
         n = len(state)
         on_track = state == self.sequence[:n]
@@ -117,9 +158,15 @@ class ReplayDrafter:
 
 
 def check_env(device: torch.device) -> dict:
-    return {"check": "env", "device": describe_device(device), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": std_platform.python_version(),
-            "cuda": torch.version.cuda, "memory_gb_per_s": round(copy_bandwidth(device) / 1e9, 1)}
+    return {
+        "check": "env",
+        "device": describe_device(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": std_platform.python_version(),
+        "cuda": torch.version.cuda,
+        "memory_gb_per_s": round(copy_bandwidth(device) / 1e9, 1),
+    }
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -151,15 +198,26 @@ def check_identity(cfg: DoctorConfig, device: torch.device) -> Iterator[dict]:
             outputs = {"hf_generate": ([hf(p).tokens for p in prompts], None)}
             for spec in cfg.trees:
                 tree = resolve_tree(spec, None, k=4, cut=False)
-                results = [SpeculativeDecoder(target, ReplayDrafter(p + r, target.vocab_size, device), tree)
-                           .generate(p, params) for p, r in zip(prompts, ref, strict=True)]
+                results = [
+                    SpeculativeDecoder(
+                        target, ReplayDrafter(p + r, target.vocab_size, device), tree
+                    ).generate(p, params)
+                    for p, r in zip(prompts, ref, strict=True)
+                ]
                 tau = sum(r.stats.tau for r in results) / len(results)
                 outputs[tree.name] = ([r.tokens for r in results], tau)
             for method, (outs, tau) in outputs.items():
                 found = mismatches(target, prompts, ref, outs)
-                yield {"check": "identity", "target": target.name, "dtype": dtype_name, "attention": attention,
-                       "method": method, "identical": f"{len(prompts) - len(found)}/{len(prompts)}",
-                       "tau": tau, "mismatches": found}
+                yield {
+                    "check": "identity",
+                    "target": target.name,
+                    "dtype": dtype_name,
+                    "attention": attention,
+                    "method": method,
+                    "identical": f"{len(prompts) - len(found)}/{len(prompts)}",
+                    "tau": tau,
+                    "mismatches": found,
+                }
             del target
 
 
@@ -167,8 +225,13 @@ def check_verify(cfg: DoctorConfig, target: Target) -> Iterator[dict]:
     for context in cfg.contexts:
         ms = profile_target(target, context, cfg.rows, cfg.repeats)  # {k: ms}
         base = ms[str(cfg.rows[0])]
-        yield {"check": "verify", "target": target.name, "context": context, "ms": ms,
-               "ratio": {k: v / base for k, v in ms.items()}}
+        yield {
+            "check": "verify",
+            "target": target.name,
+            "context": context,
+            "ms": ms,
+            "ratio": {k: v / base for k, v in ms.items()},
+        }
 
 
 def check_decode(cfg: DoctorConfig, target: Target, bandwidth: float) -> Iterator[dict]:
@@ -188,16 +251,29 @@ def check_decode(cfg: DoctorConfig, target: Target, bandwidth: float) -> Iterato
         hf(prompt)
         ours = autoregressive_generate(target, prompt, params)
         theirs = hf(prompt)
-        line = {"check": "decode", "target": target.name, "context": context, "new_tokens": len(ours.tokens),
-                "ours_ms_per_token": _ms_per_token(ours), "hf_generate_ms_per_token": 1e3 * theirs.seconds / len(theirs.tokens),
-                "forward_ms": forward_ms, "bandwidth_floor_ms": 1e3 * weight_bytes / bandwidth}  # every weight read once
+        line = {
+            "check": "decode",
+            "target": target.name,
+            "context": context,
+            "new_tokens": len(ours.tokens),
+            "ours_ms_per_token": _ms_per_token(ours),
+            "hf_generate_ms_per_token": 1e3 * theirs.seconds / len(theirs.tokens),
+            "forward_ms": forward_ms,
+            "bandwidth_floor_ms": 1e3 * weight_bytes / bandwidth,
+        }  # every weight read once
         for spec in ("chain-4", "wide-16"):
-            decoder = SpeculativeDecoder(target, ReplayDrafter(prompt + ours.tokens, target.vocab_size, target.device),
-                                         resolve_tree(spec, None, k=4, cut=False))
+            decoder = SpeculativeDecoder(
+                target,
+                ReplayDrafter(prompt + ours.tokens, target.vocab_size, target.device),
+                resolve_tree(spec, None, k=4, cut=False),
+            )
             decoder.generate(prompt, params)
             replayed = decoder.generate(prompt, params)
-            line[f"replay_{spec}"] = {"ms_per_token": _ms_per_token(replayed), "tau": replayed.stats.tau,
-                                      "identical": replayed.tokens == ours.tokens}
+            line[f"replay_{spec}"] = {
+                "ms_per_token": _ms_per_token(replayed),
+                "tau": replayed.stats.tau,
+                "identical": replayed.tokens == ours.tokens,
+            }
         yield line
 
 
@@ -213,20 +289,35 @@ def check_profile(cfg: DoctorConfig, target: Target, top: int = 12) -> Iterator[
     params = SamplingParams(max_new_tokens=min(cfg.new_tokens, 32))
     prompt = random_prompts(target, 1, cfg.contexts[0], seed=2)[0]
     autoregressive_generate(target, prompt, params)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if target.device.type == "cuda" else []
+    )
     with profile(activities=activities) as prof:
         out = autoregressive_generate(target, prompt, params)
     steps = max(out.stats.rounds, 1)
     events = prof.key_averages()
     count = {e.key: e.count for e in events}
     by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    yield {"check": "profile", "target": target.name, "steps": steps,
-           "ms_per_token": 1e3 * (out.stats.total_s - out.stats.prefill_s) / steps,
-           "launches_per_token": count.get("cudaLaunchKernel", 0) / steps,
-           "syncs_per_token": (count.get("cudaStreamSynchronize", 0) + count.get("cudaDeviceSynchronize", 0)) / steps,
-           "device_to_host_copies_per_token": count.get("aten::_local_scalar_dense", 0) / steps,
-           "top_host_ops": [{"op": e.key, "self_ms_per_token": e.self_cpu_time_total / 1e3 / steps,
-                             "calls_per_token": e.count / steps} for e in by_host]}
+    yield {
+        "check": "profile",
+        "target": target.name,
+        "steps": steps,
+        "ms_per_token": 1e3 * (out.stats.total_s - out.stats.prefill_s) / steps,
+        "launches_per_token": count.get("cudaLaunchKernel", 0) / steps,
+        "syncs_per_token": (
+            count.get("cudaStreamSynchronize", 0) + count.get("cudaDeviceSynchronize", 0)
+        )
+        / steps,
+        "device_to_host_copies_per_token": count.get("aten::_local_scalar_dense", 0) / steps,
+        "top_host_ops": [
+            {
+                "op": e.key,
+                "self_ms_per_token": e.self_cpu_time_total / 1e3 / steps,
+                "calls_per_token": e.count / steps,
+            }
+            for e in by_host
+        ],
+    }
 
 
 def load_acceptance(source: str | None) -> tuple[list[list[float]], str]:
@@ -236,7 +327,9 @@ def load_acceptance(source: str | None) -> tuple[list[list[float]], str]:
     if path.is_dir():
         path = path / "tree-search.json"
     if not path.is_file():
-        raise FileNotFoundError(f"acceptance table {path} not found: give a drafter's tree-search.json or its directory")
+        raise FileNotFoundError(
+            f"acceptance table {path} not found: give a drafter's tree-search.json or its directory"
+        )
     data = json.loads(path.read_text())
     return data["acceptance"], data.get("source", str(path))
 
@@ -254,27 +347,57 @@ def check_search(cfg: DoctorConfig, target: Target) -> Iterator[dict]:
     decode, *verify = verify_ms(target, [None, *trees.values()], context, cfg.repeats)
     deepest = max(t.depth for t in trees.values())
     drafter = init_drafter("p-eagle", target, k=deepest, depth=1).to(target.device)
-    drafting = {d: draft_ms(drafter, d, context, cfg.repeats) for d in sorted({t.depth for t in trees.values()})}
+    drafting = {
+        d: draft_ms(drafter, d, context, cfg.repeats)
+        for d in sorted({t.depth for t in trees.values()})
+    }
     rows = []
     for tree, v in zip(trees.values(), verify, strict=True):
         tau = 1.0 + expected_accepted(tree, acc)
-        rows.append({"nodes": tree.num_nodes, "depth": tree.depth, "expected_tau": tau, "verify_ms": v,
-                     "draft_ms": drafting[tree.depth], "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
-                     "paths": [list(p) for p in tree.paths]})
+        rows.append(
+            {
+                "nodes": tree.num_nodes,
+                "depth": tree.depth,
+                "expected_tau": tau,
+                "verify_ms": v,
+                "draft_ms": drafting[tree.depth],
+                "predicted_speedup": tau * decode / (v + drafting[tree.depth]),
+                "paths": [list(p) for p in tree.paths],
+            }
+        )
     best = max(rows, key=lambda r: r["predicted_speedup"])
-    yield {"check": "search", "target": target.name, "context": context, "acceptance": source, "decode_ms": decode,
-           "chosen": {"nodes": best["nodes"], "depth": best["depth"], "predicted_speedup": best["predicted_speedup"]},
-           "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows], "chosen_paths": best["paths"]}
+    yield {
+        "check": "search",
+        "target": target.name,
+        "context": context,
+        "acceptance": source,
+        "decode_ms": decode,
+        "chosen": {
+            "nodes": best["nodes"],
+            "depth": best["depth"],
+            "predicted_speedup": best["predicted_speedup"],
+        },
+        "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows],
+        "chosen_paths": best["paths"],
+    }
 
 
 def check_train(cfg: DoctorConfig, device: torch.device) -> Iterator[dict]:
     """A p-eagle K=4 drafter's training step against the identity shape (autocast as
     `train.autocast: auto` resolves on this device)."""
-    target = build_target(cfg, cfg.identity_shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target = build_target(
+        cfg, cfg.identity_shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     k = 4
     drafter = init_drafter("p-eagle", target, k=k, depth=1).to(device).train()
     ids = random_prompts(target, cfg.train_batch, cfg.train_seq, seed=3)
-    batch = collate([{"input_ids": x, "prompt_len": cfg.train_seq // 4} for x in ids], k, cfg.train_seq, False, None)
+    batch = collate(
+        [{"input_ids": x, "prompt_len": cfg.train_seq // 4} for x in ids],
+        k,
+        cfg.train_seq,
+        False,
+        None,
+    )
     batch = batch.to(device)
     feats = teacher_states(target, batch, drafter.cfg.aux_layers)
     module, train = DistillModule(drafter), TrainConfig()
@@ -293,10 +416,18 @@ def check_train(cfg: DoctorConfig, device: torch.device) -> Iterator[dict]:
         sync(device)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[1:])
-    yield {"check": "train", "target": target.name, "batch": cfg.train_batch, "seq": cfg.train_seq,
-           "autocast": str(precision.dtype).removeprefix("torch.") if precision.dtype else "none",
-           "step_ms": 1e3 * step_s, "response_tokens_per_s": batch.response_tokens / step_s,
-           "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    yield {
+        "check": "train",
+        "target": target.name,
+        "batch": cfg.train_batch,
+        "seq": cfg.train_seq,
+        "autocast": str(precision.dtype).removeprefix("torch.") if precision.dtype else "none",
+        "step_ms": 1e3 * step_s,
+        "response_tokens_per_s": batch.response_tokens / step_s,
+        "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
+    }
 
 
 def run_doctor(cfg: DoctorConfig, emit: Callable[[dict], None]) -> list[dict]:
@@ -311,8 +442,12 @@ def run_doctor(cfg: DoctorConfig, emit: Callable[[dict], None]) -> list[dict]:
     def speed() -> Target:
         nonlocal speed_target
         if speed_target is None:
-            speed_target = build_target(cfg, cfg.speed_shape, device, torch.bfloat16 if device.type == "cuda"
-                                        else torch.float32)
+            speed_target = build_target(
+                cfg,
+                cfg.speed_shape,
+                device,
+                torch.bfloat16 if device.type == "cuda" else torch.float32,
+            )
         return speed_target
 
     for name in cfg.checks:

@@ -26,6 +26,8 @@ def run_entrypoint(doc: str, run: Callable[[str, dict], str], argv: list[str] | 
     return 0
 
 
-def job_main(doc: str, model: type[BaseModel], run: Callable[[BaseModel], str], argv: list[str] | None = None) -> int:
+def job_main(
+    doc: str, model: type[BaseModel], run: Callable[[BaseModel], str], argv: list[str] | None = None
+) -> int:
     """`run(cfg)` returns the text to print, `cfg` the file validated into `model`."""
     return run_entrypoint(doc, lambda path, overrides: run(load_yaml(model, path, overrides)), argv)

@@ -53,7 +53,9 @@ def vllm_config(drafter: DrafterNet, target: Target) -> dict:
         "num_key_value_heads": dec["num_key_value_heads"],
         "head_dim": dec["head_dim"],
         "num_hidden_layers": drafter.cfg.depth,
-        "max_position_embeddings": getattr(tc, "max_position_embeddings", dec["max_position_embeddings"]),
+        "max_position_embeddings": getattr(
+            tc, "max_position_embeddings", dec["max_position_embeddings"]
+        ),
         "rms_norm_eps": dec["rms_norm_eps"],
         "rope_parameters": rope,
         "rope_theta": rope.get("rope_theta", 10000.0),
@@ -64,7 +66,10 @@ def vllm_config(drafter: DrafterNet, target: Target) -> dict:
         "draft_vocab_size": vt,
         "target_hidden_size": target.hidden_size,
         "ptd_token_id": drafter.cfg.mask_token_id,
-        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layers)},
+        "eagle_config": {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layers),
+        },
         "torch_dtype": str(target.dtype).removeprefix("torch."),
         "bos_token_id": getattr(tc, "bos_token_id", None),
         "eos_token_id": getattr(tc, "eos_token_id", None),
@@ -87,7 +92,9 @@ def vllm_tensors(drafter: DrafterNet) -> dict[str, torch.Tensor]:
     if drafter.cfg.vocab_size:
         ids = drafter.vocab_ids  # (Vt,) sorted target ids
         out["lm_head.weight"] = head[ids]
-        out["d2t"] = ids - torch.arange(ids.numel(), device=ids.device)  # (Vt,) target = draft + d2t
+        out["d2t"] = ids - torch.arange(
+            ids.numel(), device=ids.device
+        )  # (Vt,) target = draft + d2t
     else:
         out["lm_head.weight"] = head
         out["d2t"] = torch.zeros(head.shape[0], dtype=torch.long, device=head.device)
@@ -118,7 +125,10 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, target: Target | N
     tmp.mkdir(parents=True)
     save_file(vllm_tensors(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(vllm_config(drafter, target), indent=2) + "\n")
-    (tmp / "draftlab.json").write_text(json.dumps({"source": str(drafter_dir.resolve()), **drafter.cfg.model_dump()}, indent=2) + "\n")
+    (tmp / "draftlab.json").write_text(
+        json.dumps({"source": str(drafter_dir.resolve()), **drafter.cfg.model_dump()}, indent=2)
+        + "\n"
+    )
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
@@ -152,7 +162,12 @@ def served_lookups(drafter_dir: str | Path) -> NgramSpec | None:
 
 def vllm_speculative_config(export_dir: str | Path, k: int) -> dict:
     """vLLM's `speculative_config` for an exported drafter drafting k tokens per round."""
-    return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k, "parallel_drafting": True}
+    return {
+        "method": "eagle3",
+        "model": str(export_dir),
+        "num_speculative_tokens": k,
+        "parallel_drafting": True,
+    }
 
 
 def vllm_target_dir(target: Target | TargetSpec | str) -> str:
@@ -161,11 +176,15 @@ def vllm_target_dir(target: Target | TargetSpec | str) -> str:
     name = target if isinstance(target, str) else target.name
     if name not in PRESETS:
         if name.endswith(".gguf"):
-            raise ValueError(f"target {name!r}: export to vLLM needs an HF directory or hub id, not a GGUF file")
+            raise ValueError(
+                f"target {name!r}: export to vLLM needs an HF directory or hub id, not a GGUF file"
+            )
         return name
     dest = cache_dir() / "models" / name
     if not (dest / "config.json").is_file():
-        model, tokenizer = PRESETS[name](torch.float32)  # the preset's exact weights (cached presets write dest)
+        model, tokenizer = PRESETS[name](
+            torch.float32
+        )  # the preset's exact weights (cached presets write dest)
         if not (dest / "config.json").is_file():
             tmp = dest.parent / f".{name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -44,7 +44,8 @@ class _Dumper(yaml.SafeDumper):
 
 
 _Dumper.add_representer(
-    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+    str,
+    lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
 )
 
 
@@ -52,7 +53,9 @@ def cluster_spec(root: Path = REPO_ROOT) -> dict:
     """A deep copy of the RayCluster spec in `infra/k8s/raycluster.yaml`."""
     docs = [d for d in yaml.safe_load_all((Path(root) / CLUSTER_FILE).read_text()) if d]
     (cluster,) = [d for d in docs if d.get("kind") == "RayCluster"]
-    return json.loads(json.dumps(cluster["spec"]))  # a plain copy: the file's anchors are shared objects
+    return json.loads(
+        json.dumps(cluster["spec"])
+    )  # a plain copy: the file's anchors are shared objects
 
 
 def _containers(spec: dict) -> list[dict]:
@@ -69,23 +72,32 @@ def serve_port(spec: dict) -> int:
 def _validated_apps(serving_file: Path, doc: dict) -> list[dict]:
     apps = doc.get("applications")
     if not isinstance(apps, list) or not apps:
-        raise ConfigError(f"{serving_file}: expected an `applications:` list (a Ray Serve config file)")
+        raise ConfigError(
+            f"{serving_file}: expected an `applications:` list (a Ray Serve config file)"
+        )
     for i, app in enumerate(apps):
         import_path = str(app.get("import_path", ""))
         if import_path.startswith("draftlab."):  # args validated against the builder's model
             module, _, attr = import_path.partition(":")
-            model = builder_args(getattr(importlib.import_module(module), attr), f"{serving_file}: {import_path}")
+            model = builder_args(
+                getattr(importlib.import_module(module), attr), f"{serving_file}: {import_path}"
+            )
             try:
                 model.model_validate(app.get("args") or {})
             except ValidationError as e:
-                raise ConfigError(format_validation_error(e, f"{serving_file}: applications[{i}].args", model)) from None
+                raise ConfigError(
+                    format_validation_error(e, f"{serving_file}: applications[{i}].args", model)
+                ) from None
     return apps
 
 
 def on_cluster(serving_file: Path) -> bool:
     """Whether the cluster's image can serve the file: anything but a vLLM app on CPU."""
-    return not any(app.get("import_path") == VLLM_BUILDER and (app.get("args") or {}).get("accelerator", "cpu") == "cpu"
-                   for app in read_mapping(serving_file).get("applications") or [])
+    return not any(
+        app.get("import_path") == VLLM_BUILDER
+        and (app.get("args") or {}).get("accelerator", "cpu") == "cpu"
+        for app in read_mapping(serving_file).get("applications") or []
+    )
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -108,18 +120,28 @@ def render_rayservice(serving_file: Path, root: Path = REPO_ROOT) -> str:
     apps = _validated_apps(serving_file, doc)
     spec = cluster_spec(root)
     # Inside the cluster the proxy must listen on every interface, on the port the head exposes.
-    doc["http_options"] = {**(doc.get("http_options") or {}), "host": "0.0.0.0", "port": serve_port(spec)}
-    key_vars = sorted({a["args"]["api_keys_env"] for a in apps if (a.get("args") or {}).get("api_keys_env")})
+    doc["http_options"] = {
+        **(doc.get("http_options") or {}),
+        "host": "0.0.0.0",
+        "port": serve_port(spec),
+    }
+    key_vars = sorted(
+        {a["args"]["api_keys_env"] for a in apps if (a.get("args") or {}).get("api_keys_env")}
+    )
     for container in _containers(spec):  # every node may host a replica: give them all the keys
         container.setdefault("env", []).extend(
-            {"name": var, "valueFrom": {"secretKeyRef": {"name": API_KEYS_SECRET, "key": var}}} for var in key_vars
+            {"name": var, "valueFrom": {"secretKeyRef": {"name": API_KEYS_SECRET, "key": var}}}
+            for var in key_vars
         )
     name = "draftlab-" + re.sub(r"[^a-z0-9-]+", "-", serving_file.stem.lower()).strip("-")
     manifest = {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "draftlab"}},
-        "spec": {"serveConfigV2": yaml.dump(doc, Dumper=_Dumper, sort_keys=False), "rayClusterConfig": spec},
+        "spec": {
+            "serveConfigV2": yaml.dump(doc, Dumper=_Dumper, sort_keys=False),
+            "rayClusterConfig": spec,
+        },
     }
     source, out = _relative(serving_file, root), output_path(serving_file)
     header = [
@@ -132,8 +154,12 @@ def render_rayservice(serving_file: Path, root: Path = REPO_ROOT) -> str:
     ]
     if key_vars:
         literals = " ".join(f"--from-literal={v}=KEY1,KEY2" for v in key_vars)
-        header.append(f"# API keys first (pods wait for it): kubectl create secret generic {API_KEYS_SECRET} {literals}")
-    return "\n".join(header) + "\n" + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, width=120)
+        header.append(
+            f"# API keys first (pods wait for it): kubectl create secret generic {API_KEYS_SECRET} {literals}"
+        )
+    return (
+        "\n".join(header) + "\n" + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, width=120)
+    )
 
 
 def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
@@ -143,7 +169,11 @@ def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
     root = Path(root)
     wanted = {output_path(p): p for p in sorted((root / "serving").glob("*.yaml")) if on_cluster(p)}
 
-    changed = sync(root, {rel: (lambda s=source: render_rayservice(s, root)) for rel, source in wanted.items()}, check)
+    changed = sync(
+        root,
+        {rel: (lambda s=source: render_rayservice(s, root)) for rel, source in wanted.items()},
+        check,
+    )
     for path in sorted((root / OUT_DIR).glob("rayservice-*.yaml")):
         rel = path.relative_to(root).as_posix()
         if rel not in wanted and GENERATED in path.read_text():

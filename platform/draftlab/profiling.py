@@ -64,7 +64,10 @@ def verify_ms(target: Target, trees: list[Tree | None], context: int, repeats: i
     for tree in trees:
         rows, depths = None, torch.zeros(1, dtype=torch.long)
         if tree is not None:
-            rows, depths = verify_plan(tree, context, *(t.to(dev) for t in tree.ancestor_rows)), tree.depths
+            rows, depths = (
+                verify_plan(tree, context, *(t.to(dev) for t in tree.ancestor_rows)),
+                tree.depths,
+            )
         ids = torch.randint(0, target.vocab_size, (len(depths),), generator=gen).to(dev)
         pos = context + depths.to(dev)
 
@@ -76,27 +79,39 @@ def verify_ms(target: Target, trees: list[Tree | None], context: int, repeats: i
     return _median_ms(steps, repeats, dev)
 
 
-def profile_target(target: Target, context: int, sizes: list[int], repeats: int) -> dict[str, float]:
+def profile_target(
+    target: Target, context: int, sizes: list[int], repeats: int
+) -> dict[str, float]:
     """t_target(n): verifying an n-row chain (n = 1: a decoding step)."""
     trees = [Tree.chain(n - 1) if n > 1 else None for n in sizes]
-    return {str(n): ms for n, ms in zip(sizes, verify_ms(target, trees, context, repeats), strict=True)}
+    return {
+        str(n): ms for n, ms in zip(sizes, verify_ms(target, trees, context, repeats), strict=True)
+    }
 
 
-def profile_trees(target: Target, context: int, trees: dict[str, Tree], repeats: int) -> dict[str, dict]:
+def profile_trees(
+    target: Target, context: int, trees: dict[str, Tree], repeats: int
+) -> dict[str, dict]:
     """Each tree's verify forward beside a decoding step (timed round-robin): its rows
     (root + nodes), ms, and ms in decoding steps."""
     step, *costs = verify_ms(target, [None, *trees.values()], context, repeats)
-    return {spec: {"rows": len(tree.depths), "ms": ms, "steps": ms / step}
-            for (spec, tree), ms in zip(trees.items(), costs, strict=True)}
+    return {
+        spec: {"rows": len(tree.depths), "ms": ms, "steps": ms / step}
+        for (spec, tree), ms in zip(trees.items(), costs, strict=True)
+    }
 
 
 def draft_ms(drafter: DrafterNet, k: int, context: int, repeats: int) -> float:
     """Median ms of one drafting round of k tokens (one new committed entry) after `context`."""
     dev, target_dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     hidden = drafter.feature_size
-    ctx_tok = torch.randint(0, drafter.target_vocab_size, (context,), generator=torch.Generator().manual_seed(0)).to(dev)
+    ctx_tok = torch.randint(
+        0, drafter.target_vocab_size, (context,), generator=torch.Generator().manual_seed(0)
+    ).to(dev)
     state = drafter.new_state()
-    drafter.propose(state, ctx_tok, torch.zeros(context, hidden, device=dev, dtype=target_dtype), 1, _argmax)
+    drafter.propose(
+        state, ctx_tok, torch.zeros(context, hidden, device=dev, dtype=target_dtype), 1, _argmax
+    )
     tok, hid = torch.tensor([1], device=dev), torch.zeros(1, hidden, device=dev, dtype=target_dtype)
 
     def step():
@@ -112,17 +127,23 @@ def _argmax(j: int, logits: torch.Tensor) -> int:
     return int(greedy_tokens(logits))  # the engine's greedy pick, so the profile times what it runs
 
 
-def profile_drafters(target: Target, context: int, depths: list[int], ks: list[int], repeats: int) -> dict:
+def profile_drafters(
+    target: Target, context: int, depths: list[int], ks: list[int], repeats: int
+) -> dict:
     out: dict[str, dict[str, dict[str, float]]] = {}
     points = [(f, d) for f in ("p-eagle", "parallel", "autoregressive") for d in depths]
     for family, depth in tqdm(points, desc="drafter", leave=False):
         drafter = init_drafter(family, target, k=max(ks), depth=depth)
-        out.setdefault(family, {})[str(depth)] = {str(k): draft_ms(drafter, k, context, repeats) for k in ks}
+        out.setdefault(family, {})[str(depth)] = {
+            str(k): draft_ms(drafter, k, context, repeats) for k in ks
+        }
     return out
 
 
 def run_profile(cfg: ProfileConfig) -> dict:
-    trees = {spec: resolve_tree(spec, None, k=MAX_TREE_DEPTH, cut=False) for spec in cfg.trees}  # bad specs fail first
+    trees = {
+        spec: resolve_tree(spec, None, k=MAX_TREE_DEPTH, cut=False) for spec in cfg.trees
+    }  # bad specs fail first
     target = load_target(cfg.target)
     report = {
         "target": target.name,

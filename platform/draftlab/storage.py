@@ -112,8 +112,12 @@ def local_copy(path: str | Path) -> Path:
         raise FileNotFoundError(f"{uri}: nothing is stored there")
 
     def fetch(rel: str, local: Path) -> None:
-        copy_files(posixpath.join(root, rel), str(local), source_filesystem=fs,
-                   destination_filesystem=LocalFileSystem())
+        copy_files(
+            posixpath.join(root, rel),
+            str(local),
+            source_filesystem=fs,
+            destination_filesystem=LocalFileSystem(),
+        )
 
     return sync_mirror(mirror_dir(uri), stored, fetch)
 

@@ -28,10 +28,26 @@ from pathlib import Path
 from draftlab.config import ConfigError, PromptSourceConfig, TargetSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRYPOINTS = {"distill": "jobs/distill.py", "sweep": "sweeps/run.py", "pipeline": "jobs/pipeline.py",
-               "bench": "jobs/bench.py"}
-EXCLUDES = [".git/", ".venv/", "venv/", ".draftlab/", "**/__pycache__/", "*.egg-info/", ".pytest_cache/",
-            ".ruff_cache/", "mlruns/", "mlartifacts/", "*.safetensors", "*.gguf"]
+ENTRYPOINTS = {
+    "distill": "jobs/distill.py",
+    "sweep": "sweeps/run.py",
+    "pipeline": "jobs/pipeline.py",
+    "bench": "jobs/bench.py",
+}
+EXCLUDES = [
+    ".git/",
+    ".venv/",
+    "venv/",
+    ".draftlab/",
+    "**/__pycache__/",
+    "*.egg-info/",
+    ".pytest_cache/",
+    ".ruff_cache/",
+    "mlruns/",
+    "mlartifacts/",
+    "*.safetensors",
+    "*.gguf",
+]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
 
@@ -42,7 +58,9 @@ def address(given: str | None) -> str:
         if value and value.startswith(("http://", "https://")):
             return value
     if given:
-        raise ConfigError(f"--address {given!r}: give the head's dashboard URL, e.g. http://HEAD:8265")
+        raise ConfigError(
+            f"--address {given!r}: give the head's dashboard URL, e.g. http://HEAD:8265"
+        )
     return DEFAULT_ADDRESS
 
 
@@ -52,8 +70,14 @@ def requirements(root: Path = ROOT) -> list[str]:
     return [d for d in deps if not d.replace(" ", "").lower().startswith("torch")]
 
 
-def runtime_env(pip: bool = False, env_vars: dict[str, str] | None = None, root: Path = ROOT) -> dict:
-    env = {"working_dir": str(root), "excludes": EXCLUDES, "py_modules": [str(root / "platform" / "draftlab")]}
+def runtime_env(
+    pip: bool = False, env_vars: dict[str, str] | None = None, root: Path = ROOT
+) -> dict:
+    env = {
+        "working_dir": str(root),
+        "excludes": EXCLUDES,
+        "py_modules": [str(root / "platform" / "draftlab")],
+    }
     if pip:
         env["pip"] = requirements(root)
     if env_vars:
@@ -68,8 +92,10 @@ def client(addr: str | None):
     try:
         return JobSubmissionClient(url)
     except (ConnectionError, RuntimeError) as e:
-        raise ConnectionError(f"no Ray dashboard at {url} ({str(e).splitlines()[0]}): start the cluster with "
-                              f"`ray start --head` or pass --address http://HEAD:8265") from None
+        raise ConnectionError(
+            f"no Ray dashboard at {url} ({str(e).splitlines()[0]}): start the cluster with "
+            f"`ray start --head` or pass --address http://HEAD:8265"
+        ) from None
 
 
 def staged_config(cfg: Path, root: Path = ROOT) -> Path:
@@ -92,8 +118,12 @@ def staged_config(cfg: Path, root: Path = ROOT) -> Path:
 def _git_exclude(root: Path, pattern: str) -> None:
     """Add `pattern` to the checkout's `info/exclude` (worktrees included); no git, no-op."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--git-path", "info/exclude"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--git-path", "info/exclude"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return
     exclude = (root / out).resolve()
@@ -123,8 +153,15 @@ def check_hub_access(target: TargetSpec, source: PromptSourceConfig | None = Non
         )
 
 
-def submit(kind: str, config: str, overrides: list[str], addr: str | None = None, pip: bool = False,
-           env_vars: dict[str, str] | None = None, root: Path = ROOT) -> str:
+def submit(
+    kind: str,
+    config: str,
+    overrides: list[str],
+    addr: str | None = None,
+    pip: bool = False,
+    env_vars: dict[str, str] | None = None,
+    root: Path = ROOT,
+) -> str:
     """Submit `kind` with `config` (a path inside the repo); returns the job id."""
     if kind not in ENTRYPOINTS:
         raise ConfigError(f"unknown job kind {kind!r} (allowed: {', '.join(ENTRYPOINTS)})")
@@ -132,25 +169,44 @@ def submit(kind: str, config: str, overrides: list[str], addr: str | None = None
     if not cfg.is_file():
         raise ConfigError(f"-c {config}: config file not found")
     rel = staged_config(cfg, root).relative_to(root)
-    entrypoint = " ".join(["python", ENTRYPOINTS[kind], "-c", str(rel), *(f"'{o}'" for o in overrides)])
-    return client(addr).submit_job(entrypoint=entrypoint, runtime_env=runtime_env(pip, env_vars, root),
-                                   metadata={"draftlab.kind": kind, "draftlab.config": str(rel)})
+    entrypoint = " ".join(
+        ["python", ENTRYPOINTS[kind], "-c", str(rel), *(f"'{o}'" for o in overrides)]
+    )
+    return client(addr).submit_job(
+        entrypoint=entrypoint,
+        runtime_env=runtime_env(pip, env_vars, root),
+        metadata={"draftlab.kind": kind, "draftlab.config": str(rel)},
+    )
 
 
 def list_jobs(addr: str | None = None) -> list[dict]:
     rows = []
     for j in sorted(client(addr).list_jobs(), key=lambda j: j.start_time or 0, reverse=True):
-        rows.append({"id": j.submission_id or j.job_id, "status": str(j.status.value if hasattr(j.status, "value") else j.status),
-                     "kind": (j.metadata or {}).get("draftlab.kind", ""), "config": (j.metadata or {}).get("draftlab.config", ""),
-                     "entrypoint": j.entrypoint, "start_time": j.start_time, "message": j.message})
+        rows.append(
+            {
+                "id": j.submission_id or j.job_id,
+                "status": str(j.status.value if hasattr(j.status, "value") else j.status),
+                "kind": (j.metadata or {}).get("draftlab.kind", ""),
+                "config": (j.metadata or {}).get("draftlab.config", ""),
+                "entrypoint": j.entrypoint,
+                "start_time": j.start_time,
+                "message": j.message,
+            }
+        )
     return rows
 
 
 def format_jobs(rows: list[dict]) -> str:
     lines = [f"{'job id':<30} {'status':<10} {'kind':<9} {'started':<20} entrypoint"]
     for r in rows:
-        started = dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S") if r["start_time"] else ""
-        lines.append(f"{r['id']:<30} {r['status']:<10} {r['kind']:<9} {started:<20} {r['entrypoint']}")
+        started = (
+            dt.datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M:%S")
+            if r["start_time"]
+            else ""
+        )
+        lines.append(
+            f"{r['id']:<30} {r['status']:<10} {r['kind']:<9} {started:<20} {r['entrypoint']}"
+        )
     return "\n".join(lines)
 
 

@@ -14,8 +14,12 @@ reaches any batch size.
 
 from __future__ import annotations
 
-MAX_BATCH = 1024  # the schedule's last range ends here (vLLM carries it on past max_num_seqs anyway)
-SUFFIX_DEPTH = 24  # vLLM's default suffix_decoding_max_tree_depth: suffix drafting's k when none is set
+MAX_BATCH = (
+    1024  # the schedule's last range ends here (vLLM carries it on past max_num_seqs anyway)
+)
+SUFFIX_DEPTH = (
+    24  # vLLM's default suffix_decoding_max_tree_depth: suffix drafting's k when none is set
+)
 
 
 def add_load_speedups(load: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
@@ -28,7 +32,9 @@ def add_load_speedups(load: dict[str, dict[str, dict]]) -> dict[str, dict[str, d
     return load
 
 
-def schedule(levels: list[int], drafts: list[bool], k: int, max_batch: int = MAX_BATCH) -> list[list[int]]:
+def schedule(
+    levels: list[int], drafts: list[bool], k: int, max_batch: int = MAX_BATCH
+) -> list[list[int]]:
     """Inclusive [first, last, k or 0] batch-size ranges: it drafts k at the batch sizes from
     one level it won (`drafts[i]`) to the next it won, and 0 elsewhere: between a won and a lost
     level it does not draft (drafting that costs throughput under load is the worse error);
@@ -44,7 +50,9 @@ def schedule(levels: list[int], drafts: list[bool], k: int, max_batch: int = MAX
     for i, c in enumerate(levels):
         if i == len(levels) - 1:
             last = max_batch
-        elif drafts[i] and not drafts[i + 1]:  # nothing measured between a won and a lost level: 0 there
+        elif (
+            drafts[i] and not drafts[i + 1]
+        ):  # nothing measured between a won and a lost level: 0 there
             last = c
         else:
             last = levels[i + 1] - 1
@@ -65,17 +73,33 @@ def _deploy(method: str, report: dict, cfg) -> tuple[dict, int]:
         return {"speculation": "off"}, 0
     if method in ("vllm_ngram", "vllm_suffix"):
         k = specs[method].get("num_speculative_tokens")
-        return {"speculation": "on", "method": method.removeprefix("vllm_"), "num_speculative_tokens": k,
-                "ngram_min": cfg.vllm.ngram_min, "ngram_max": cfg.vllm.ngram_max,
-                "suffix_cached_requests": cfg.vllm.suffix_cached_requests}, k or SUFFIX_DEPTH
+        return {
+            "speculation": "on",
+            "method": method.removeprefix("vllm_"),
+            "num_speculative_tokens": k,
+            "ngram_min": cfg.vllm.ngram_min,
+            "ngram_max": cfg.vllm.ngram_max,
+            "suffix_cached_requests": cfg.vllm.suffix_cached_requests,
+        }, k or SUFFIX_DEPTH
     engine, _, k = method.partition("@k")
     lookups = report["vllm"]["lookups"].get(engine, {}).get("draftlab_lookup", {})
     if k:  # deployed as an engine of its own k
-        return {"speculation": "on", "method": "drafter", "num_speculative_tokens": int(k),
-                "prompt_lookup": "off"}, int(k)
+        return {
+            "speculation": "on",
+            "method": "drafter",
+            "num_speculative_tokens": int(k),
+            "prompt_lookup": "off",
+        }, int(k)
     k = lookups.get("draft_tokens") or specs[engine]["num_speculative_tokens"]
-    return ({"speculation": "on", "method": "drafter", "num_speculative_tokens": k,
-             "prompt_lookup": "on" if lookups.get("spec") else "off"}, specs[engine]["num_speculative_tokens"])
+    return (
+        {
+            "speculation": "on",
+            "method": "drafter",
+            "num_speculative_tokens": k,
+            "prompt_lookup": "on" if lookups.get("spec") else "off",
+        },
+        specs[engine]["num_speculative_tokens"],
+    )
 
 
 def verdict(report: dict, cfg) -> dict:
@@ -88,17 +112,33 @@ def verdict(report: dict, cfg) -> dict:
     rows = []
     for c in levels:
         row = load[served][str(c)]
-        rows.append({"concurrency": c, "tokens_per_s": row["tokens_per_s"], "vllm_ar_tokens_per_s":
-                     load["vllm_ar"][str(c)]["tokens_per_s"], "drafts": bool((row["speedup_vs_vllm_ar"] or 0) > 1.0)})
+        rows.append(
+            {
+                "concurrency": c,
+                "tokens_per_s": row["tokens_per_s"],
+                "vllm_ar_tokens_per_s": load["vllm_ar"][str(c)]["tokens_per_s"],
+                "drafts": bool((row["speedup_vs_vllm_ar"] or 0) > 1.0),
+            }
+        )
     if served != "vllm_ar" and rows:
         deploy["schedule"] = schedule(levels, [r["drafts"] for r in rows], drafted)
     one = methods[served]["speedup_vs_vllm_ar"]
     if served == "vllm_ar":
-        reason = "target-only vLLM was the fastest one request at a time: no speculation is deployed"
+        reason = (
+            "target-only vLLM was the fastest one request at a time: no speculation is deployed"
+        )
     elif not served.startswith("vllm_draftlab"):
-        reason = (f"vLLM's own {served.removeprefix('vllm_')} drafting (untrained) was the fastest one request at a "
-                  f"time ({one:.2f}x vllm_ar), faster than the trained drafter: it is deployed")
+        reason = (
+            f"vLLM's own {served.removeprefix('vllm_')} drafting (untrained) was the fastest one request at a "
+            f"time ({one:.2f}x vllm_ar), faster than the trained drafter: it is deployed"
+        )
     else:
         reason = f"the trained drafter ({served}) was the fastest one request at a time ({one:.2f}x vllm_ar)"
-    return {"served": served, "deploy": deploy, "levels": rows, "reason": reason,
-            "speedup_vs_vllm_ar": one, "prompts": report["prompts"]}
+    return {
+        "served": served,
+        "deploy": deploy,
+        "levels": rows,
+        "reason": reason,
+        "speedup_vs_vllm_ar": one,
+        "prompts": report["prompts"],
+    }

@@ -92,9 +92,15 @@ class SpecCounters:
     def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
         a, b = self.accepted_per_position, other.accepted_per_position
         width = max(len(a), len(b))
-        pos = [(a[j] if j < len(a) else 0) + sign * (b[j] if j < len(b) else 0) for j in range(width)]
-        return SpecCounters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
-                            self.accepted + sign * other.accepted, pos)
+        pos = [
+            (a[j] if j < len(a) else 0) + sign * (b[j] if j < len(b) else 0) for j in range(width)
+        ]
+        return SpecCounters(
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted + sign * other.accepted,
+            pos,
+        )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
         return self._combine(other, 1)
@@ -182,13 +188,24 @@ class VllmEngine:
         memory_setting: str = "memory_fraction",
     ):
         self.model_dir = str(Path(model_dir).expanduser())
-        self.kwargs = dict(
-            model=self.model_dir, dtype=vllm_dtype(dtype), max_model_len=max_model_len,
-            gpu_memory_utilization=memory_fraction, enforce_eager=enforce_eager,
-            speculative_config=speculative_config, seed=seed,
-            disable_log_stats=False,  # the Prometheus counters we read need stats on
-        ) | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {}) | (
-            {"scheduler_cls": scheduler_cls, "additional_config": additional_config or {}} if scheduler_cls else {})
+        self.kwargs = (
+            dict(
+                model=self.model_dir,
+                dtype=vllm_dtype(dtype),
+                max_model_len=max_model_len,
+                gpu_memory_utilization=memory_fraction,
+                enforce_eager=enforce_eager,
+                speculative_config=speculative_config,
+                seed=seed,
+                disable_log_stats=False,  # the Prometheus counters we read need stats on
+            )
+            | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {})
+            | (
+                {"scheduler_cls": scheduler_cls, "additional_config": additional_config or {}}
+                if scheduler_cls
+                else {}
+            )
+        )
         self.env = dict(CPU_ENV_DEFAULTS)
         if reserved_cpus is not None:
             self.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
@@ -220,7 +237,8 @@ class VllmEngine:
                 f"vLLM did not start on {self.model_dir}: {e}\nIf its log above says the KV cache does not fit "
                 f"('KV cache is needed' / 'No available memory'), raise {self.memory_setting} (now {fraction}: "
                 "the share of the node's RAM for weights + KV cache; a float32 target or a drafter needs more) "
-                "or lower max_model_len.") from e
+                "or lower max_model_len."
+            ) from e
         except BaseException:
             self._restore()
             raise
@@ -231,8 +249,13 @@ class VllmEngine:
         self.close()
 
     def generate(
-        self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-        seed: int | None = None, extra_args: dict | None = None,
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        extra_args: dict | None = None,
     ) -> VllmRun:
         """Decode one prompt of token ids (greedy at temperature 0), timed, with its
         speculative counters; stops at EOS. `extra_args`: vLLM's per-request `extra_args`
@@ -240,15 +263,28 @@ class VllmEngine:
         self._check("generate")
         before = read_counters(self.llm.get_metrics())
         t0 = time.perf_counter()
-        (tokens,) = self.generate_many([prompt], max_new_tokens, temperature=temperature, top_p=top_p, seeds=[seed],
-                                       extra_args=extra_args)
+        (tokens,) = self.generate_many(
+            [prompt],
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seeds=[seed],
+            extra_args=extra_args,
+        )
         seconds = time.perf_counter() - t0
         spec = read_counters(self.llm.get_metrics()) - before
         return VllmRun(tokens, seconds, spec)
 
     def generate_many(
-        self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-        seeds: list[int | None] | None = None, stop_token_ids: list[int] | None = None, extra_args: dict | None = None,
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: list[int | None] | None = None,
+        stop_token_ids: list[int] | None = None,
+        extra_args: dict | None = None,
     ) -> list[list[int]]:
         """Decode prompts of token ids together (vLLM batches up to `max_num_seqs`): the new
         ids of each, in order, the stopping token included. Greedy at temperature 0; prompt
@@ -257,12 +293,22 @@ class VllmEngine:
 
         self._check("generate_many")
         seeds = seeds if seeds is not None else [None] * len(prompts)
-        params = [self._params(max_new_tokens, temperature, top_p, seed, stop_token_ids, extra_args) for seed in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        params = [
+            self._params(max_new_tokens, temperature, top_p, seed, stop_token_ids, extra_args)
+            for seed in seeds
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def generate_closed_loop(
-        self, prompts: list[list[int]], concurrency: int, max_new_tokens: int, *, temperature: float = 0.0,
+        self,
+        prompts: list[list[int]],
+        concurrency: int,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
         extra_args: dict | None = None,
     ) -> VllmLoad:
         """Decode every prompt once with `concurrency` requests in flight: as one finishes the
@@ -278,26 +324,43 @@ class VllmEngine:
         while todo or in_flight:
             while todo and in_flight < concurrency:
                 i, ids = todo.pop()
-                engine.add_request(f"load-{id(tokens)}-{i}", {"prompt_token_ids": list(ids)}, params)
+                engine.add_request(
+                    f"load-{id(tokens)}-{i}", {"prompt_token_ids": list(ids)}, params
+                )
                 in_flight += 1
             for out in engine.step():
                 if out.finished:
                     tokens[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
                     in_flight -= 1
         seconds = time.perf_counter() - t0
-        return VllmLoad(tokens, seconds, read_counters(self.llm.get_metrics()) - before, concurrency)
+        return VllmLoad(
+            tokens, seconds, read_counters(self.llm.get_metrics()) - before, concurrency
+        )
 
     def _check(self, what: str) -> None:
         if self.llm is None:
             raise RuntimeError(f"VllmEngine.{what} outside `with VllmEngine(...)`")
 
     @staticmethod
-    def _params(max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
-                stop_token_ids: list[int] | None, extra_args: dict | None):
+    def _params(
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_token_ids: list[int] | None,
+        extra_args: dict | None,
+    ):
         from vllm import SamplingParams  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
 
-        return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              stop_token_ids=stop_token_ids, detokenize=False, extra_args=extra_args)
+        return SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            detokenize=False,
+            extra_args=extra_args,
+        )
 
     def close(self) -> None:
         """Stop the engine (its processes exit and free their memory); idempotent."""

@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING
 
 from draftlab.config import NgramSpec
 
-if TYPE_CHECKING:  # torch: imported by vLLM's engine core when it builds the scheduler, not by clients
+if (
+    TYPE_CHECKING
+):  # torch: imported by vLLM's engine core when it builds the scheduler, not by clients
     from draftlab.decoding.ngram import NgramIndex
 
 LOOKUP_KEY = "draftlab_lookup"  # additional_config: {"spec": NgramSpec fields | None, "draft_tokens": n, "schedule": ranges}
@@ -63,24 +65,42 @@ def engine_kwargs(spec: NgramSpec | None, speculative_config: dict, draft_tokens
     spec_cfg = dict(speculative_config)
     if spec is not None:
         extra["spec"] = spec.model_copy(update={"grow_to": spec.tokens}).model_dump()
-        spec_cfg |= {"num_speculative_tokens": max(draft_tokens, spec.tokens), "draft_sample_method": "greedy"}
-    return {"speculative_config": spec_cfg, "scheduler_cls": SCHEDULER, "additional_config": {LOOKUP_KEY: extra}}
+        spec_cfg |= {
+            "num_speculative_tokens": max(draft_tokens, spec.tokens),
+            "draft_sample_method": "greedy",
+        }
+    return {
+        "speculative_config": spec_cfg,
+        "scheduler_cls": SCHEDULER,
+        "additional_config": {LOOKUP_KEY: extra},
+    }
 
 
-def builtin_config(method: str, k: int | None, ngram_min: int = 2, ngram_max: int = 4,
-                   suffix_cached_requests: int = 0) -> dict:
+def builtin_config(
+    method: str,
+    k: int | None,
+    ngram_min: int = 2,
+    ngram_max: int = 4,
+    suffix_cached_requests: int = 0,
+) -> dict:
     """vLLM's `speculative_config` for its own untrained drafting: `ngram` (prompt lookup of
     `ngram_min`..`ngram_max` tokens, k tokens drafted, default 4) or `suffix` (Arctic's suffix
     decoding: suffix trees of the prompt and, up to `suffix_cached_requests`, of past responses;
     k None = its own default depth). 0 cached requests by default: a benchmark that repeats a
     prompt would otherwise measure a cache of the very answer it asks for."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k or 4, "prompt_lookup_min": ngram_min,
-                "prompt_lookup_max": ngram_max}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k or 4,
+            "prompt_lookup_min": ngram_min,
+            "prompt_lookup_max": ngram_max,
+        }
     if method == "suffix":
         require_arctic()
-        return {"method": "suffix", "suffix_decoding_max_cached_requests": suffix_cached_requests} | (
-            {"num_speculative_tokens": k} if k else {})
+        return {
+            "method": "suffix",
+            "suffix_decoding_max_cached_requests": suffix_cached_requests,
+        } | ({"num_speculative_tokens": k} if k else {})
     raise ValueError(f"unknown vLLM drafting method {method!r}: ngram, suffix")
 
 
@@ -91,7 +111,8 @@ def require_arctic() -> None:
     except ImportError as e:
         raise ImportError(
             f"suffix decoding needs arctic-inference ({e}); PyPI has a source release only: "
-            "`infra/install-arctic.sh .venv` builds and installs it (docs/install.md)") from None
+            "`infra/install-arctic.sh .venv` builds and installs it (docs/install.md)"
+        ) from None
 
 
 def with_schedule(kwargs: dict, schedule: list[list[int]] | None) -> dict:
@@ -104,8 +125,10 @@ def with_schedule(kwargs: dict, schedule: list[list[int]] | None) -> dict:
     if kwargs["speculative_config"].get("method") == "suffix":
         extra = kwargs["additional_config"][LOOKUP_KEY] | {"schedule": ranges}
         return kwargs | {"additional_config": kwargs["additional_config"] | {LOOKUP_KEY: extra}}
-    return kwargs | {"speculative_config": kwargs["speculative_config"] | {
-        "num_speculative_tokens_per_batch_size": ranges}}
+    return kwargs | {
+        "speculative_config": kwargs["speculative_config"]
+        | {"num_speculative_tokens_per_batch_size": ranges}
+    }
 
 
 def request_k(extra_args: dict | None) -> int | None:
@@ -149,13 +172,20 @@ def _scheduler() -> type:
             self._lookups: dict[str, NgramIndex] = {}  # request id -> its text's n-gram index
             # vLLM 0.29's parallel drafting drafts all its K slots or none: any other step K
             # fails in its proposer ("shape '[-1, 2]' is invalid for input of size 3")
-            self._all_or_none = bool(getattr(vllm_config.speculative_config, "parallel_drafting", False))
+            self._all_or_none = bool(
+                getattr(vllm_config.speculative_config, "parallel_drafting", False)
+            )
             # and its suffix proposer asserts every step drafts exactly its K: the step stays at K
             # (a request's cap still trims its own drafts, so `draftlab_k: 0` verifies none), and
             # the batch-size schedule trims every request's drafts (`with_schedule`)
             self._fixed = getattr(vllm_config.speculative_config, "method", None) == "suffix"
-            self._by_batch = build_dynamic_sd_schedule_lookup(
-                extra["schedule"], self.max_num_running_reqs, self.num_spec_tokens) if extra.get("schedule") else None
+            self._by_batch = (
+                build_dynamic_sd_schedule_lookup(
+                    extra["schedule"], self.max_num_running_reqs, self.num_spec_tokens
+                )
+                if extra.get("schedule")
+                else None
+            )
             self._step_k = self.num_spec_tokens  # the schedule's k at the last step's batch size
 
         def _cap(self, request) -> int:
@@ -166,7 +196,9 @@ def _scheduler() -> type:
         def schedule(self, *args, **kwargs):
             out = super().schedule(*args, **kwargs)
             if self._by_batch is not None and out.num_scheduled_tokens:
-                self._step_k = self._by_batch[min(len(out.num_scheduled_tokens), len(self._by_batch) - 1)]
+                self._step_k = self._by_batch[
+                    min(len(out.num_scheduled_tokens), len(self._by_batch) - 1)
+                ]
             if out.num_scheduled_tokens and out.num_spec_tokens_to_schedule and not self._fixed:
                 # the drafter drafts, after this step, for these requests only: as many as the
                 # greediest of them takes (a copy from the text may need the whole chain)
@@ -177,7 +209,9 @@ def _scheduler() -> type:
 
         def update_draft_token_ids(self, draft_token_ids) -> None:
             edited = []
-            for req_id, draft in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
+            for req_id, draft in zip(
+                draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
+            ):
                 request = self.requests.get(req_id)
                 if request is None or request.is_finished() or request.is_prefill_chunk:
                     edited.append(draft)
@@ -189,7 +223,7 @@ def _scheduler() -> type:
                     if index is None:
                         index = self._lookups[req_id] = NgramIndex(self._spec, list(tokens))
                     else:
-                        index.extend(list(tokens[len(index.tokens):]))
+                        index.extend(list(tokens[len(index.tokens) :]))
                     draft = merge(index, draft, self._draft_tokens)
                 edited.append(draft[: self._cap(request)])
             for gone in [r for r in self._lookups if r not in self.requests]:

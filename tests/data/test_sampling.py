@@ -13,11 +13,15 @@ from draftlab.data.sampling import TopKTopPSampler
 
 
 def _hf_probs(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
+    warpers = LogitsProcessorList(
+        [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
+    )
     return warpers(None, scores.clone()).softmax(-1)  # (B, V)
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 50, 0.9), (0.7, 8, 1.0), (1.3, 1000, 0.5)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 50, 0.9), (0.7, 8, 1.0), (1.3, 1000, 0.5)]
+)
 def test_distribution_equals_hf_warpers(temperature, top_k, top_p):
     scores = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 3
     sampler = TopKTopPSampler(temperature, top_p, top_k)
@@ -28,7 +32,9 @@ def test_distribution_equals_hf_warpers(temperature, top_k, top_p):
 
 def test_greedy_argmax_of_the_output_follows_the_distribution():
     scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)  # (N, 4)
-    sampler = TopKTopPSampler(1.0, top_p=0.9, top_k=4)  # nucleus {0, 1, 2}: 0.5/0.3/0.15 renormalised
+    sampler = TopKTopPSampler(
+        1.0, top_p=0.9, top_k=4
+    )  # nucleus {0, 1, 2}: 0.5/0.3/0.15 renormalised
     torch.manual_seed(0)
     picks = sampler(None, scores).argmax(-1)  # what the greedy loop takes
     freq = torch.bincount(picks, minlength=4).float() / len(picks)

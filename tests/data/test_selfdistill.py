@@ -67,9 +67,13 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def data_cfg(tmp_path_factory) -> DataConfig:
-    path = write_jsonl(tmp_path_factory.mktemp("src") / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
+    path = write_jsonl(
+        tmp_path_factory.mktemp("src") / "prompts.jsonl", [{"prompt": p} for p in PROMPTS]
+    )
     source = PromptSourceConfig(kind="dataset", path=str(path), num_prompts=len(PROMPTS))
-    return DataConfig(source=source, max_new_tokens=MAX_NEW, shard_size=4, batch_size=4, eval_fraction=0.25)
+    return DataConfig(
+        source=source, max_new_tokens=MAX_NEW, shard_size=4, batch_size=4, eval_fraction=0.25
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +125,9 @@ def test_junk_filter_rejects_spam(text, reason):
 def test_length_filters(tiny):
     cfg = PromptSourceConfig(min_chars=8, max_prompt_tokens=10)
     assert reject_reason("Hi you", cfg, tiny.tokenizer) == "too short"
-    assert reject_reason("A question that is far too long", cfg, tiny.tokenizer) == "too many tokens"
+    assert (
+        reject_reason("A question that is far too long", cfg, tiny.tokenizer) == "too many tokens"
+    )
     assert reject_reason("Short one", cfg, tiny.tokenizer) is None  # 9 chars = 9 tokens
 
 
@@ -132,21 +138,46 @@ def test_features_come_back_in_order_whatever_the_batching(tiny):
     aux = [0, 1]
     got = target_features(tiny, seqs, 2, aux)
     for seq, feats in zip(seqs, got, strict=True):
-        _, ref = tiny.forward(torch.tensor(seq), torch.arange(len(seq)), tiny.new_cache(), aux_layers=tuple(aux))
+        _, ref = tiny.forward(
+            torch.tensor(seq), torch.arange(len(seq)), tiny.new_cache(), aux_layers=tuple(aux)
+        )
         assert feats.shape == (len(seq), 3 * tiny.hidden_size) and feats.dtype == np.float16
-        np.testing.assert_allclose(feats.astype(np.float32), ref.float().numpy(), atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(
+            feats.astype(np.float32), ref.float().numpy(), atol=2e-3, rtol=2e-3
+        )
 
 
 # --- dataset sources -----------------------------------------------------------------------
 
 SHAREGPT = [
-    {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Why is the sky blue?"}, {"from": "gpt", "value": "Rayleigh."}]},
-    {"conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Name two planets with rings."}]},
+    {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Why is the sky blue?"},
+            {"from": "gpt", "value": "Rayleigh."},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "gpt", "value": "Hello!"},
+            {"from": "human", "value": "Name two planets with rings."},
+        ]
+    },
     {"conversations": [{"from": "gpt", "value": "No user turn here."}]},
 ]
 OPENAI = [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]},
-    {"messages": [{"role": "user", "content": "Name two planets with rings."}, {"role": "assistant", "content": "Saturn."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Why is the sky blue?"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Name two planets with rings."},
+            {"role": "assistant", "content": "Saturn."},
+        ]
+    },
     {"messages": [{"role": "assistant", "content": "No user turn here."}]},
 ]
 
@@ -163,13 +194,17 @@ def test_dataset_source_field(tmp_path, tiny, fmt):
     ]
     path = tmp_path / f"prompts.{fmt}"
     ds = datasets.Dataset.from_list(rows)
-    {"jsonl": ds.to_json, "json": ds.to_json, "csv": ds.to_csv, "parquet": ds.to_parquet}[fmt](str(path))
+    {"jsonl": ds.to_json, "json": ds.to_json, "csv": ds.to_csv, "parquet": ds.to_parquet}[fmt](
+        str(path)
+    )
     cfg = PromptSourceConfig(kind="dataset", path=str(path), field="text", num_prompts=2)
     got = load_prompts_from_source(cfg, tiny, progress=False)
     assert got == ["Why is the sky blue?", "Name two planets with rings."]
 
 
-@pytest.mark.parametrize("rows,column", [(SHAREGPT, "conversations"), (OPENAI, "messages")], ids=["sharegpt", "openai"])
+@pytest.mark.parametrize(
+    "rows,column", [(SHAREGPT, "conversations"), (OPENAI, "messages")], ids=["sharegpt", "openai"]
+)
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_dataset_source_conversations(tmp_path, tiny, rows, column, fmt):
     path = tmp_path / f"chats.{fmt}"
@@ -195,7 +230,9 @@ def test_dataset_source_unknown_file_type(tmp_path, tiny):
     path = tmp_path / "p.xml"
     path.write_text("<x/>")
     with pytest.raises(ValueError, match="unsupported file type '.xml'"):
-        load_prompts_from_source(PromptSourceConfig(kind="dataset", path=str(path)), tiny, progress=False)
+        load_prompts_from_source(
+            PromptSourceConfig(kind="dataset", path=str(path)), tiny, progress=False
+        )
 
 
 # --- magpie --------------------------------------------------------------------------------
@@ -203,7 +240,9 @@ def test_dataset_source_unknown_file_type(tmp_path, tiny):
 
 def test_magpie_prompts_are_filtered_unique_and_seeded(tiny):
     # The tiny model writes random characters: short prompts keep the token budget small.
-    cfg = PromptSourceConfig(kind="magpie", num_prompts=10, min_chars=4, max_prompt_tokens=16, seed=3)
+    cfg = PromptSourceConfig(
+        kind="magpie", num_prompts=10, min_chars=4, max_prompt_tokens=16, seed=3
+    )
     got = load_prompts_from_source(cfg, tiny, progress=False)
     assert len(got) == 10
     assert len({dedup_key(p) for p in got}) == 10
@@ -215,13 +254,21 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(tiny):
 @pytest.mark.parametrize("kind", [pytest.param("magpie", marks=pytest.mark.slow), "dataset"])
 def test_a_longer_prompt_list_resumes_the_stream_where_a_shorter_one_stopped(tiny, data_cfg, kind):
     if kind == "magpie":  # 3 turns a round: 5 prompts end inside a round, which is written again
-        cfg = PromptSourceConfig(kind="magpie", num_prompts=9, min_chars=4, max_prompt_tokens=16, seed=5)
+        cfg = PromptSourceConfig(
+            kind="magpie", num_prompts=9, min_chars=4, max_prompt_tokens=16, seed=5
+        )
     else:
         cfg = data_cfg.source.model_copy(update={"num_prompts": 9})
-    kw = dict(progress=False, magpie_batch_size=3, magpie_max_rounds=80)  # a round cap no run reaches
+    kw = dict(
+        progress=False, magpie_batch_size=3, magpie_max_rounds=80
+    )  # a round cap no run reaches
     fresh = collect_prompts(cfg, tiny, **kw)
     short = collect_prompts(cfg.model_copy(update={"num_prompts": 5}), tiny, **kw)
-    assert len(fresh.prompts) == 9 and short.prompts == fresh.prompts[:5] and short.consumed < fresh.consumed
+    assert (
+        len(fresh.prompts) == 9
+        and short.prompts == fresh.prompts[:5]
+        and short.consumed < fresh.consumed
+    )
     # seed 5 stops the magpie list inside a round on AMX/AVX512 CPUs (the round is then written
     # again and its earlier turns skipped); where float32 numerics end it on a round boundary
     # (AVX2: 24 texts), the resume below is checked from there
@@ -229,13 +276,17 @@ def test_a_longer_prompt_list_resumes_the_stream_where_a_shorter_one_stopped(tin
     smaller = cfg.model_copy(update={"num_prompts": 2})  # a longer list is cut, nothing collected
     assert collect_prompts(smaller, None, start=fresh).prompts == fresh.prompts[:2]
     with pytest.raises(ValueError, match="stream position"):
-        collect_prompts(cfg, tiny, progress=False, start=cache.PromptList(short.prompts, consumed=None))
+        collect_prompts(
+            cfg, tiny, progress=False, start=cache.PromptList(short.prompts, consumed=None)
+        )
 
 
 def test_magpie_returns_what_it_has_when_rounds_run_out(tiny, caplog):
     cfg = PromptSourceConfig(kind="magpie", num_prompts=50, min_chars=4, max_prompt_tokens=16)
     with caplog.at_level(logging.WARNING, logger="draftlab.data.sources"):
-        got = load_prompts_from_source(cfg, tiny, progress=False, magpie_batch_size=4, magpie_max_rounds=2)
+        got = load_prompts_from_source(
+            cfg, tiny, progress=False, magpie_batch_size=4, magpie_max_rounds=2
+        )
     assert 0 < len(got) <= 8
     assert "only" in caplog.text
 
@@ -271,7 +322,9 @@ def test_responses_are_greedy_target_decoding(generated, tiny):
         step = logits[start - 1 : -1]  # (N, V): the logits each response token was chosen from
         gap = step.max(-1).values - step.gather(1, ids[start:, None])[:, 0]  # (N,)
         assert float(gap.max()) <= TIE, (row["prompt"], gap.tolist())
-        ref = autoregressive_generate(tiny, row["input_ids"][:start], SamplingParams(max_new_tokens=MAX_NEW))
+        ref = autoregressive_generate(
+            tiny, row["input_ids"][:start], SamplingParams(max_new_tokens=MAX_NEW)
+        )
         same += row["input_ids"][start:] == ref.tokens
     assert same >= len(samples(generated)) * 3 // 4
 
@@ -281,14 +334,21 @@ def test_hidden_matches_target_forward(generated, tiny):
     for row in samples(generated)[:4]:
         ids = torch.tensor(row["input_ids"])
         _, hidden = tiny.forward(ids, torch.arange(len(ids)), tiny.new_cache())  # (T, H)
-        torch.testing.assert_close(torch.tensor(np.asarray(row["hidden"]), dtype=torch.float32), hidden.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(
+            torch.tensor(np.asarray(row["hidden"]), dtype=torch.float32),
+            hidden.float(),
+            atol=1e-2,
+            rtol=1e-2,
+        )
 
 
 @pytest.mark.slow
 def test_split_is_deterministic_and_disjoint(generated):
     train, ev = set(generated["train"]["prompt"]), set(generated["eval"]["prompt"])
     assert not train & ev and train | ev == set(PROMPTS)
-    assert train_eval_split(generated["train"], 0.01, seed=0)["eval"].num_rows == 1  # >= 1 when >= 2 rows
+    assert (
+        train_eval_split(generated["train"], 0.01, seed=0)["eval"].num_rows == 1
+    )  # >= 1 when >= 2 rows
     assert train_eval_split(generated["train"].select([0]), 0.5, seed=0)["eval"].num_rows == 0
 
 
@@ -303,25 +363,43 @@ def test_cache_is_reused_without_generation(generated, data_cfg, tiny, monkeypat
         raise AssertionError("the cached dataset should have been reused")
 
     monkeypatch.setattr(selfdistill, "_run_shards", no_generation)
-    other_resources = data_cfg.model_copy(update={"batch_size": 1, "num_actors": 3, "shard_size": 5})
+    other_resources = data_cfg.model_copy(
+        update={"batch_size": 1, "num_actors": 3, "shard_size": 5}
+    )
     with caplog.at_level(logging.INFO, logger="draftlab.data.selfdistill"):
         again = load_or_generate(other_resources, TINY, progress=False)
     assert "reusing cached self-distillation data" in caplog.text
     assert meta.stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in (root / "work" / "shards").iterdir()) == ["shard-00000", "shard-00001", "shard-00002"]
+    assert sorted(p.name for p in (root / "work" / "shards").iterdir()) == [
+        "shard-00000",
+        "shard-00001",
+        "shard-00002",
+    ]
     assert samples(again) == samples(generated)
 
 
 def test_cache_key_tracks_results_not_resources(data_cfg, tmp_path):
     key = dataset_key(data_cfg, "fp-a")
     assert dataset_key(data_cfg, "fp-b") != key
-    for change in [{"max_new_tokens": 7}, {"temperature": 0.5}, {"top_p": 0.9}, {"store_features": False}, {"eval_fraction": 0.1},
-                   {"generator": "vllm"}]:
+    for change in [
+        {"max_new_tokens": 7},
+        {"temperature": 0.5},
+        {"top_p": 0.9},
+        {"store_features": False},
+        {"eval_fraction": 0.1},
+        {"generator": "vllm"},
+    ]:
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") != key, change
     source = data_cfg.source.model_copy(update={"num_prompts": 5})
     assert dataset_key(data_cfg.model_copy(update={"source": source}), "fp-a") != key
-    for change in [{"batch_size": 3}, {"num_actors": 4}, {"shard_size": 2}, {"use_gpu": True}, {"cpus_per_actor": 2.0},
-                   {"prompt_generator": "vllm"}]:  # this source's prompts are read, not written
+    for change in [
+        {"batch_size": 3},
+        {"num_actors": 4},
+        {"shard_size": 2},
+        {"use_gpu": True},
+        {"cpus_per_actor": 2.0},
+        {"prompt_generator": "vllm"},
+    ]:  # this source's prompts are read, not written
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") == key, change
     moved = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
     assert cache_path(moved, "fp-a") == tmp_path / key
@@ -335,11 +413,17 @@ def test_a_missing_vllm_writer_is_a_config_error_before_any_work(data_cfg, tmp_p
 
     monkeypatch.setattr(vllm_offline, "require_vllm", not_installed)
     data = data_cfg.model_copy(update={"generator": "vllm", "cache_dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match=r"data.generator=vllm: vLLM is not installed.*data.generator=hf"):
+    with pytest.raises(
+        ConfigError, match=r"data.generator=vllm: vLLM is not installed.*data.generator=hf"
+    ):
         load_or_generate(data, TINY, progress=False)
     magpie = data_cfg.source.model_copy(update={"kind": "magpie"})
-    prompts = data_cfg.model_copy(update={"prompt_generator": "vllm", "source": magpie, "cache_dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match=r"data.prompt_generator=vllm: vLLM is not installed.*prompt_generator=hf"):
+    prompts = data_cfg.model_copy(
+        update={"prompt_generator": "vllm", "source": magpie, "cache_dir": str(tmp_path)}
+    )
+    with pytest.raises(
+        ConfigError, match=r"data.prompt_generator=vllm: vLLM is not installed.*prompt_generator=hf"
+    ):
         load_or_generate(prompts, TINY, progress=False)
     assert not (cache_path(data, "x").parent / "prompts").exists()  # nothing written
 
@@ -349,19 +433,28 @@ def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny
     copy = tmp_path / "prompts.jsonl"
     shutil.copy(data_cfg.source.path, copy)
     source = data_cfg.source.model_copy(update={"path": str(copy), "num_prompts": 4})
-    data = data_cfg.model_copy(update={"source": source, "max_new_tokens": 5, "cache_dir": str(tmp_path / "c")})
+    data = data_cfg.model_copy(
+        update={"source": source, "max_new_tokens": 5, "cache_dir": str(tmp_path / "c")}
+    )
     old_key = dataset_key(data, tiny.fingerprint)
     dsd = load_or_generate(data, TINY, progress=False)
     root = cache_path(data, tiny.fingerprint)
     assert root.name == old_key and root != cache_path(data_cfg, tiny.fingerprint)
-    assert (root / "dataset" / "meta.json").is_file() and not (root / "work").exists()  # shards dropped
-    assert all(len(ids) - n <= 5 for ids, n in zip(dsd["train"]["input_ids"], dsd["train"]["prompt_len"], strict=True))
+    assert (root / "dataset" / "meta.json").is_file() and not (
+        root / "work"
+    ).exists()  # shards dropped
+    assert all(
+        len(ids) - n <= 5
+        for ids, n in zip(dsd["train"]["input_ids"], dsd["train"]["prompt_len"], strict=True)
+    )
     write_jsonl(copy, [{"prompt": p} for p in reversed(PROMPTS)])  # edited in place
     assert dataset_key(data, tiny.fingerprint) != old_key
 
 
 @pytest.mark.slow
-def test_prompts_are_cached_apart_from_generation_settings(ray_local, data_cfg, tiny, tmp_path, monkeypatch):
+def test_prompts_are_cached_apart_from_generation_settings(
+    ray_local, data_cfg, tiny, tmp_path, monkeypatch
+):
     from draftlab.data import sources
 
     data = data_cfg.model_copy(update={"max_new_tokens": 4, "cache_dir": str(tmp_path)})
@@ -380,47 +473,70 @@ def test_prompts_are_cached_apart_from_generation_settings(ray_local, data_cfg, 
     assert samples(again) != samples(first)  # longer responses
     assert [r["prompt"] for r in samples(again)] == [r["prompt"] for r in samples(first)]
     other_source = data.source.model_copy(update={"seed": 4})
-    assert prompts_cache_file(data.model_copy(update={"source": other_source}), tiny.fingerprint) != cached
+    assert (
+        prompts_cache_file(data.model_copy(update={"source": other_source}), tiny.fingerprint)
+        != cached
+    )
 
 
 @pytest.mark.slow
-def test_a_larger_data_set_reuses_the_smaller_ones_shards(ray_local, generated, data_cfg, tiny, tmp_path, monkeypatch,
-                                                          caplog):
+def test_a_larger_data_set_reuses_the_smaller_ones_shards(
+    ray_local, generated, data_cfg, tiny, tmp_path, monkeypatch, caplog
+):
     def sized(n):
-        return data_cfg.model_copy(update={"source": data_cfg.source.model_copy(update={"num_prompts": n}),
-                                           "cache_dir": str(tmp_path)})
+        return data_cfg.model_copy(
+            update={
+                "source": data_cfg.source.model_copy(update={"num_prompts": n}),
+                "cache_dir": str(tmp_path),
+            }
+        )
 
     load_or_generate(sized(8), TINY, progress=False)  # 2 shards of 4
     with caplog.at_level(logging.INFO, logger="draftlab.data"):
         grown = load_or_generate(sized(12), TINY, progress=False)
     assert "reused 2 of 3 shards to generate" in caplog.text
-    meta = json.loads((cache_path(sized(12), tiny.fingerprint) / "dataset" / "meta.json").read_text())
+    meta = json.loads(
+        (cache_path(sized(12), tiny.fingerprint) / "dataset" / "meta.json").read_text()
+    )
     assert meta["reused_from"] == {"key": dataset_key(sized(8), tiny.fingerprint), "shards": 2}
-    assert json.loads(prompts_cache_file(sized(12), tiny.fingerprint).read_text())["prompts"] == PROMPTS
+    assert (
+        json.loads(prompts_cache_file(sized(12), tiny.fingerprint).read_text())["prompts"]
+        == PROMPTS
+    )
     # the same samples as a generation from scratch (the `generated` fixture: 12 prompts)
     for split in ("train", "eval"):
         assert grown[split]["prompt"] == generated[split]["prompt"]
         assert grown[split]["input_ids"] == generated[split]["input_ids"]
-        np.testing.assert_array_equal(np.concatenate(grown[split].with_format("numpy")["hidden"]),
-                                      np.concatenate(generated[split].with_format("numpy")["hidden"]))
+        np.testing.assert_array_equal(
+            np.concatenate(grown[split].with_format("numpy")["hidden"]),
+            np.concatenate(generated[split].with_format("numpy")["hidden"]),
+        )
 
     def no_generation(*args, **kwargs):
         raise AssertionError("every shard of a smaller set lies within a cached one")
 
     monkeypatch.setattr(selfdistill, "_run_shards", no_generation)
-    shrunk = load_or_generate(sized(6), TINY, progress=False)  # from the 12-prompt set: 1 full shard, 1 half
+    shrunk = load_or_generate(
+        sized(6), TINY, progress=False
+    )  # from the 12-prompt set: 1 full shard, 1 half
     assert sorted(r["prompt"] for r in samples(shrunk)) == sorted(PROMPTS[:6])
     assert samples(shrunk) == [r for r in samples(generated) if r["prompt"] in PROMPTS[:6]]
 
 
 def test_a_prompt_list_cached_before_lists_could_grow_serves_its_own_size(data_cfg, tmp_path):
     data = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
-    old = cache.cache_root(data) / "prompts" / f"{cache._digest(cache._prompt_inputs(data, 'fp'))}.json"  # num_prompts in it
+    old = (
+        cache.cache_root(data)
+        / "prompts"
+        / f"{cache._digest(cache._prompt_inputs(data, 'fp'))}.json"
+    )  # num_prompts in it
     old.parent.mkdir(parents=True)
     old.write_text(json.dumps(PROMPTS))
     assert cache.stored_prompts(data, "fp") == cache.PromptList(PROMPTS, consumed=None)
     larger = data.model_copy(update={"source": data.source.model_copy(update={"num_prompts": 13})})
-    assert cache.stored_prompts(larger, "fp") is None  # its key differs, and it could not be extended anyway
+    assert (
+        cache.stored_prompts(larger, "fp") is None
+    )  # its key differs, and it could not be extended anyway
 
 
 def test_sampled_responses_are_reused_only_from_shards_of_the_same_size(data_cfg, tmp_path):
@@ -432,7 +548,9 @@ def test_sampled_responses_are_reused_only_from_shards_of_the_same_size(data_cfg
     (donor / "meta.json").write_text(json.dumps(meta))
     root = cache_path(data, "fp")
     assert cache._best_donor(root, data, "fp", shard_size=4)[0] == donor
-    assert cache._best_donor(root, data, "fp", shard_size=2) is None  # prompt i samples by shard and place in it
+    assert (
+        cache._best_donor(root, data, "fp", shard_size=2) is None
+    )  # prompt i samples by shard and place in it
     greedy = data.model_copy(update={"temperature": 0.0})
     assert cache._best_donor(root, greedy, "fp", shard_size=4) is None  # other key inputs
 
@@ -448,11 +566,16 @@ def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_p
     shutil.rmtree(shard_dir(work, 1))
 
     def stamps(i):
-        return sorted((p.name, p.stat().st_mtime_ns) for p in [shard_dir(work, i), *shard_dir(work, i).iterdir()])
+        return sorted(
+            (p.name, p.stat().st_mtime_ns)
+            for p in [shard_dir(work, i), *shard_dir(work, i).iterdir()]
+        )
 
     kept = {i: stamps(i) for i in (0, 2)}
     with caplog.at_level(logging.INFO, logger="draftlab.data.selfdistill"):
-        resumed = load_or_generate(data.model_copy(update={"shard_size": 6}), TINY, progress=False, keep_shards=True)
+        resumed = load_or_generate(
+            data.model_copy(update={"shard_size": 6}), TINY, progress=False, keep_shards=True
+        )
     assert "12 prompts in 3 shards, 1 to generate" in caplog.text  # recorded shard size wins
     assert {i: stamps(i) for i in (0, 2)} == kept
     assert shard_dir(work, 1).is_dir()
@@ -467,7 +590,15 @@ def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_p
 
 def test_generation_spec_resolves_device_from_use_gpu():
     cpu_dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
-    assert generation_spec(TINY, use_gpu=False).model_dump() == {**TINY.model_dump(), "device": "cpu", "dtype": cpu_dtype}
-    assert generation_spec(TINY, use_gpu=True).model_dump() == {**TINY.model_dump(), "device": "cuda", "dtype": "bfloat16"}
+    assert generation_spec(TINY, use_gpu=False).model_dump() == {
+        **TINY.model_dump(),
+        "device": "cpu",
+        "dtype": cpu_dtype,
+    }
+    assert generation_spec(TINY, use_gpu=True).model_dump() == {
+        **TINY.model_dump(),
+        "device": "cuda",
+        "dtype": "bfloat16",
+    }
     with pytest.raises(ValueError, match="use_gpu"):
         generation_spec(TINY.model_copy(update={"device": "cuda"}), use_gpu=False)

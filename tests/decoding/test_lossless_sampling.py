@@ -215,8 +215,14 @@ def test_speculative_sampling_matches_exact_target_distribution(
     assert nucleus_margin(target, PROMPT, temperature, top_p) > 1e-4
     exact = exact_distribution(target, PROMPT, temperature, top_p)
     seed0 = 100_000 * (1 + CASES.index((family, tree, temperature, top_p)))
-    samples, mean_accepted = speculative_samples(draw_both(  # an untrained drafter: q != p
-        pool, (family, tree), dict(temperature=temperature, top_p=top_p), list(range(seed0, seed0 + N))))
+    samples, mean_accepted = speculative_samples(
+        draw_both(  # an untrained drafter: q != p
+            pool,
+            (family, tree),
+            dict(temperature=temperature, top_p=top_p),
+            list(range(seed0, seed0 + N)),
+        )
+    )
     s = goodness_of_fit(samples, exact)
     print(
         f"\n[{family} {tree} T={temperature} top_p={top_p}] {_fmt(s)} mean_accepted={mean_accepted:.3f}"
@@ -238,12 +244,19 @@ def test_grafted_lookup_drafts_keep_the_target_distribution(target, pool):
     rounds; the rest match nothing or only repeat the tree's own tokens.)"""
     exact = exact_distribution(target, PROMPT, 1.0, 1.0)
     lookups = tuple(dict(tokens=3, min_match=1, max_match=2, extend=2).items())
-    draws = draw_both(pool, ("parallel", "small-6", lookups), dict(temperature=1.0), list(range(700_000, 700_000 + N)))
+    draws = draw_both(
+        pool,
+        ("parallel", "small-6", lookups),
+        dict(temperature=1.0),
+        list(range(700_000, 700_000 + N)),
+    )
     samples, _ = speculative_samples(draws)
     rounds, grafted_rounds = sum(d.rounds for d in draws), sum(d.grafted for d in draws)
     s = goodness_of_fit(samples, exact)
     print(f"\n[grafted lookups small-6] {_fmt(s)} grafted rounds {grafted_rounds}/{rounds}")
-    assert grafted_rounds > rounds / 10, "lookups must graft nodes on many rounds, or this tests nothing new"
+    assert grafted_rounds > rounds / 10, (
+        "lookups must graft nodes on many rounds, or this tests nothing new"
+    )
     assert passes(s), f"grafted drafts changed the output distribution: {_fmt(s)}"
 
 
@@ -316,10 +329,17 @@ def _buggy_sampled_walk(tree, nodes, target_probs, draft_probs, gen):
 @pytest.mark.slow
 def test_statistic_rejects_a_broken_acceptance_rule(target, monkeypatch):
     """End to end through the engine: the residual bug above must be caught at this N."""
-    monkeypatch.setattr(engine, "sampled_walk", _buggy_sampled_walk)  # in this process: all N drawn here
+    monkeypatch.setattr(
+        engine, "sampled_walk", _buggy_sampled_walk
+    )  # in this process: all N drawn here
     exact = exact_distribution(target, PROMPT, 1.0, 1.0)
-    samples, _ = speculative_samples(draw(("parallel", "chain-3"), dict(temperature=1.0, top_p=1.0),
-                                          list(range(900_000, 900_000 + N))))
+    samples, _ = speculative_samples(
+        draw(
+            ("parallel", "chain-3"),
+            dict(temperature=1.0, top_p=1.0),
+            list(range(900_000, 900_000 + N)),
+        )
+    )
     s = goodness_of_fit(samples, exact)
     print(f"\n[broken residual] {_fmt(s)}")
     assert not passes(s), f"a broken acceptance rule passed the lossless test: {_fmt(s)}"

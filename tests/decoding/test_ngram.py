@@ -33,7 +33,10 @@ def test_index_min_match_and_incremental_equals_fresh():
     grown = NgramIndex(spec, toks[:2])
     for t in toks[2:]:
         grown.extend([t])
-    assert grown.propose() == NgramIndex(spec, toks).propose() and grown._next == NgramIndex(spec, toks)._next
+    assert (
+        grown.propose() == NgramIndex(spec, toks).propose()
+        and grown._next == NgramIndex(spec, toks)._next
+    )
 
 
 def test_ngram_spec_validates():
@@ -55,7 +58,12 @@ def test_graft_shares_prefixes_and_adds_the_rest():
     assert grown.depths.tolist() == [0, 1, 2, 3, 4, 1, 2, 2, 3]
     assert grown.children[0] == [1, 5] and grown.children[1] == [2, 6] and grown.children[3] == [4]
     anc, counts = grown.ancestor_rows
-    assert anc[4, : counts[4]].tolist() == [0, 1, 2, 3, 4] and anc[8, : counts[8]].tolist() == [0, 1, 6, 8]
+    assert anc[4, : counts[4]].tolist() == [0, 1, 2, 3, 4] and anc[8, : counts[8]].tolist() == [
+        0,
+        1,
+        6,
+        8,
+    ]
     fresh, ids = graft(Tree.chain(2), [100, 10, 20], [55])  # a new root child beside the chain
     assert fresh.parents == [-1, 0, 0, 2] and not fresh.is_chain and ids == [100, 55, 10, 20]
     longer, _ = graft(Tree.chain(2), [100, 10, 20], [10, 20, 30])  # agrees, then goes deeper
@@ -97,13 +105,21 @@ def test_greedy_identity_when_grafted_drafts_are_accepted(tiny, tiny_prompts, tr
             assert out.stats.tau >= (5.0 if right == 6 else 2.5)
 
 
-@pytest.mark.parametrize("family,tree", [  # the fast tier runs the diagonal
-    ("p-eagle", load_tree("small-6")), ("parallel", Tree.chain(4)),
-    pytest.param("p-eagle", Tree.chain(4), marks=pytest.mark.slow),
-    pytest.param("parallel", load_tree("small-6"), marks=pytest.mark.slow)], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize(
+    "family,tree",
+    [  # the fast tier runs the diagonal
+        ("p-eagle", load_tree("small-6")),
+        ("parallel", Tree.chain(4)),
+        pytest.param("p-eagle", Tree.chain(4), marks=pytest.mark.slow),
+        pytest.param("parallel", load_tree("small-6"), marks=pytest.mark.slow),
+    ],
+    ids=lambda v: getattr(v, "name", v),
+)
 def test_untrained_drafter_with_real_lookups_identity(tiny, tiny_prompts, family, tree):
     spec = NgramSpec(tokens=4, min_match=1, max_match=2)
-    dec = SpeculativeDecoder(tiny, init_drafter(family, tiny, k=4, depth=1, seed=2), tree.with_ngram(spec))
+    dec = SpeculativeDecoder(
+        tiny, init_drafter(family, tiny, k=4, depth=1, seed=2), tree.with_ngram(spec)
+    )
     grafted = 0
     for ids in tiny_prompts:
         out = dec.generate(ids, GREEDY)
@@ -118,7 +134,11 @@ def test_ngram_tree_specs_round_trip(tmp_path):
     from draftlab.sweep.space import SweepConfig
 
     tree = load_tree("default+ngram")
-    assert tree.ngram == NgramSpec() and tree.name == "default+ngram" and tree.paths == load_tree("default").paths
+    assert (
+        tree.ngram == NgramSpec()
+        and tree.name == "default+ngram"
+        and tree.paths == load_tree("default").paths
+    )
     assert load_tree("chain-3+ngram").ngram and load_tree("chain-3+ngram").is_chain
     assert resolve_tree("chain+ngram", None, 2) == Tree.chain(2).with_ngram()
     custom = Tree.chain(2).with_ngram(NgramSpec(tokens=7, min_match=1, max_match=3))

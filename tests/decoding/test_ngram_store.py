@@ -48,10 +48,23 @@ def test_the_drafted_path_is_carried_on_by_the_text_then_the_store_capped_at_ext
     store = NgramStore.build([[5, 6, 40, 41, 42, 43]], NgramSpec(min_match=2, max_match=2))
     spec = NgramSpec(tokens=4, min_match=2, max_match=3, store_tokens=0, extend=3)
     index = NgramIndex(spec, [1, 2, 3, 4, 9, 8, 1, 2], store)
-    assert index.propose_after([3, 4]) == [9, 8, 1]  # "2 3 4" (two drafted) was followed by 9 8 1 in the text
+    assert index.propose_after([3, 4]) == [
+        9,
+        8,
+        1,
+    ]  # "2 3 4" (two drafted) was followed by 9 8 1 in the text
     assert index.propose_after([7]) == []  # "2 7": neither the text nor the store has it
-    assert index.propose_after([5, 6]) == [40, 41, 42]  # only the store has "5 6": its continuation, capped
-    assert index.propose() == [3, 4, 9, 8]  # the copy at the root is unchanged, and store_tokens=0 holds there
+    assert index.propose_after([5, 6]) == [
+        40,
+        41,
+        42,
+    ]  # only the store has "5 6": its continuation, capped
+    assert index.propose() == [
+        3,
+        4,
+        9,
+        8,
+    ]  # the copy at the root is unchanged, and store_tokens=0 holds there
     assert index.copy_len == 4
     off = NgramIndex(spec.model_copy(update={"extend": 0}), [1, 2, 3, 4, 9, 8, 1, 2], store)
     assert off.propose_after([3, 4]) == []
@@ -61,17 +74,32 @@ def test_carried_on_prefixes_from_extend_from_and_other_firsts_only_from_depth_o
     spec = NgramSpec(tokens=4, min_match=2, max_match=3, store_tokens=0, extend=2, extend_firsts=1)
     text = [1, 2, 3, 4, 9, 1, 2, 5, 7, 1, 2, 6, 8, 1, 2]
     every = NgramIndex(spec, text).carried([3, 4], firsts=[3, 5, 6])
-    assert every == [[3, 4, 9], [3, 4, 9, 1], [5, 7, 1]]  # "2 3", "2 3 4" and the likeliest other first, 5
-    whole = NgramIndex(spec.model_copy(update={"extend_from": 2}), text).carried([3, 4], firsts=[3, 5, 6])
+    assert every == [
+        [3, 4, 9],
+        [3, 4, 9, 1],
+        [5, 7, 1],
+    ]  # "2 3", "2 3 4" and the likeliest other first, 5
+    whole = NgramIndex(spec.model_copy(update={"extend_from": 2}), text).carried(
+        [3, 4], firsts=[3, 5, 6]
+    )
     assert whole == [[3, 4, 9, 1]]  # the whole path alone, no other first
-    deeper = NgramIndex(spec.model_copy(update={"extend_from": 5}), text).carried([3, 4], firsts=[3, 5, 6])
+    deeper = NgramIndex(spec.model_copy(update={"extend_from": 5}), text).carried(
+        [3, 4], firsts=[3, 5, 6]
+    )
     assert deeper == whole  # a tree shallower than extend_from carries its whole path
-    first = NgramIndex(spec.model_copy(update={"extend_from": 2}), text).carried([3], firsts=[3, 5, 6])
-    assert first == [[3, 4, 9]]  # a 1-deep path: itself, still no other first (as the replay counts)
+    first = NgramIndex(spec.model_copy(update={"extend_from": 2}), text).carried(
+        [3], firsts=[3, 5, 6]
+    )
+    assert first == [
+        [3, 4, 9]
+    ]  # a 1-deep path: itself, still no other first (as the replay counts)
 
 
-@pytest.mark.parametrize("tree", [pytest.param(Tree.chain(1), marks=pytest.mark.slow), Tree.from_paths([[0], [1], [0, 0]])],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "tree",
+    [pytest.param(Tree.chain(1), marks=pytest.mark.slow), Tree.from_paths([[0], [1], [0, 0]])],
+    ids=lambda t: t.name,
+)
 def test_store_drafts_keep_greedy_identity_and_get_accepted(tiny, tiny_prompts, tree):
     """A store of the target's own answers proposes right drafts: accepted rows, same text."""
     refs = [autoregressive_generate(tiny, ids, GREEDY).tokens for ids in tiny_prompts]
@@ -105,7 +133,9 @@ def test_copies_grow_after_whole_ones_are_committed_and_reset_on_a_miss():
         assert fixed.copy_len == 2 and fixed.propose() == [5, 6]
 
 
-def test_extended_paths_keep_greedy_identity_and_get_accepted_past_the_drafters_depth(tiny, tiny_prompts):
+def test_extended_paths_keep_greedy_identity_and_get_accepted_past_the_drafters_depth(
+    tiny, tiny_prompts
+):
     """An oracle drafter's likeliest path is the target's, and the store of the target's own
     answers carries it on: rounds accept past the tree's depth, and the text is unchanged."""
     refs = [autoregressive_generate(tiny, ids, GREEDY).tokens for ids in tiny_prompts]
@@ -114,7 +144,10 @@ def test_extended_paths_keep_greedy_identity_and_get_accepted_past_the_drafters_
     tau, deepest = {}, {}
     for n in (0, 3):
         served = tree.with_ngram(NgramSpec(store_tokens=0, extend=n))
-        outs = [SpeculativeDecoder(tiny, OracleDrafter(tiny, ids), served, store).generate(ids, GREEDY) for ids in tiny_prompts]
+        outs = [
+            SpeculativeDecoder(tiny, OracleDrafter(tiny, ids), served, store).generate(ids, GREEDY)
+            for ids in tiny_prompts
+        ]
         assert [o.tokens for o in outs] == refs
         tau[n] = sum(len(o.tokens) for o in outs) / sum(o.stats.rounds + 1 for o in outs)
         deepest[n] = max(len(o.stats.accepted_at) for o in outs)

@@ -35,13 +35,17 @@ def test_node_tokens_follow_ranks():
 
 def test_per_round_tree_verifies_the_paths_the_drafter_rates_likeliest():
     t = Tree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]]).with_per_round(3)
-    sure = torch.tensor([[0.0, 9.0, 1.0, 0.0], [9.0, 0.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0]])  # one likely path
+    sure = torch.tensor(
+        [[0.0, 9.0, 1.0, 0.0], [9.0, 0.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0]]
+    )  # one likely path
     shape, nodes = t.round_tree(42, sure)
     assert shape.is_chain and nodes.tolist() == [42, 1, 0, 2]  # [0], [0, 0], [0, 0, 0]: deep
     unsure = torch.tensor([[0.0, 5.2, 5.0, 0.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 9.0, 0.0]])
     shape, nodes = t.round_tree(42, unsure)  # position 1 a coin toss, position 2 a guess: wide
     assert shape.parents == [-1, 0, 0, 1] and nodes.tolist() == [42, 1, 2, 3]  # [0], [1], [0, 0]
-    small = Tree.from_paths([[0], [1]]).with_per_round(2)  # a budget the tree fits in: the tree itself
+    small = Tree.from_paths([[0], [1]]).with_per_round(
+        2
+    )  # a budget the tree fits in: the tree itself
     assert small.round_tree(42, sure)[0] is small
 
 

@@ -11,7 +11,11 @@ ACC = [[0.6, 0.2, 0.1], [0.5, 0.25, 0.05], [0.45, 0.2, 0.1]]
 
 
 def brute_force(acc, budget):
-    nodes = [p for d in range(1, len(acc) + 1) for p in itertools.product(*(range(len(acc[j])) for j in range(d)))]
+    nodes = [
+        p
+        for d in range(1, len(acc) + 1)
+        for p in itertools.product(*(range(len(acc[j])) for j in range(d)))
+    ]
     best = 0.0
     for subset in itertools.combinations(nodes, budget):
         s = set(subset)
@@ -39,7 +43,9 @@ def test_known_small_trees():
 def test_trees_always_validate(budget):
     acc = [[0.7, 0.15, 0.05, 0.02]] * 5
     tree = best_tree(acc, budget)
-    again = Tree.from_paths([list(p) for p in tree.paths], max_depth=5)  # prefix-closed, no duplicates
+    again = Tree.from_paths(
+        [list(p) for p in tree.paths], max_depth=5
+    )  # prefix-closed, no duplicates
     assert again.paths == tree.paths and tree.num_nodes == budget
     assert tree.depth <= 5
 

@@ -10,7 +10,13 @@ from draftlab.distill.objective import Stats
 def test_hand_checked_example_k3():
     # x = [10, 11, 12, 13, 14, 15], prompt = first 3 tokens. Entries e_i = (x_{i+1}, h_i):
     # e_0=(11,h0) e_1=(12,h1) e_2=(13,h2) e_3=(14,h3) e_4=(15,h4); L' = 5, K = 3.
-    b = collate([{"input_ids": [10, 11, 12, 13, 14, 15], "prompt_len": 3}], k=3, max_seq_len=64, drop_tokens=False, generator=None)
+    b = collate(
+        [{"input_ids": [10, 11, 12, 13, 14, 15], "prompt_len": 3}],
+        k=3,
+        max_seq_len=64,
+        drop_tokens=False,
+        generator=None,
+    )
     depth = b.depth[0].tolist()
     anchor = b.node_anchor[0].tolist()
     assert depth == [0] * 5 + [1] * 3 + [2] * 2  # depth d keeps anchors with a + d + 1 < 5
@@ -29,7 +35,14 @@ def test_hand_checked_example_k3():
     assert allowed[9].nonzero().flatten().tolist() == [0, 1, 6, 9]
     assert b.response_tokens == 3
     # loss_on_prompt: every node with a label carries loss (node 4 has none)
-    b = collate([{"input_ids": [10, 11, 12, 13, 14, 15], "prompt_len": 3}], k=3, max_seq_len=64, drop_tokens=False, generator=None, loss_on_prompt=True)
+    b = collate(
+        [{"input_ids": [10, 11, 12, 13, 14, 15], "prompt_len": 3}],
+        k=3,
+        max_seq_len=64,
+        drop_tokens=False,
+        generator=None,
+        loss_on_prompt=True,
+    )
     assert b.loss_mask[0].tolist() == [True, True, True, True, False, True, True, True, True, True]
 
 
@@ -51,7 +64,13 @@ def test_padding_rows_are_isolated_and_hidden_is_batched():
 
 def test_drop_tokens_subsamples_deep_groups():
     g = torch.Generator().manual_seed(0)
-    b = collate([{"input_ids": list(range(101)), "prompt_len": 1}], k=4, max_seq_len=512, drop_tokens=True, generator=g)
+    b = collate(
+        [{"input_ids": list(range(101)), "prompt_len": 1}],
+        k=4,
+        max_seq_len=512,
+        drop_tokens=True,
+        generator=g,
+    )
     counts = [int((b.depth[0] == d).sum()) for d in range(4)]
     assert counts == [100, 70, 48, 34]  # floor(100 * max(0.7^d, 0.2))
 

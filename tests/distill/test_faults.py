@@ -64,8 +64,11 @@ def _train_workers(cluster) -> list[psutil.Process]:
     """The Ray Train worker processes of `cluster` (children of its raylets: never another
     Ray's on this machine)."""
     raylets = {_raylet(n) for n in [cluster.head_node, *cluster.worker_nodes]}
-    return [p for p in psutil.process_iter(["pid", "ppid", "cmdline"])
-            if p.info["ppid"] in raylets and "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+    return [
+        p
+        for p in psutil.process_iter(["pid", "ppid", "cmdline"])
+        if p.info["ppid"] in raylets and "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def _start(cfg) -> tuple[threading.Thread, dict]:
@@ -184,17 +187,35 @@ KILL_POINTS = [
     {"name": "time-60pct", "frac_time": 0.6},
     {"name": "time-90pct", "frac_time": 0.9},
 ]
-MID_SAVE = {"drafter-config-written", "drafter-weights-half", "optimizer-started", "optimizer-half", "state-written"}
+MID_SAVE = {
+    "drafter-config-written",
+    "drafter-weights-half",
+    "optimizer-started",
+    "optimizer-half",
+    "state-written",
+}
 
 
 @pytest.mark.slow
 def test_checkpoint_save_killed_at_any_point_is_never_loaded(tiny, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "platform"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", SAVER, str(tmp_path), json.dumps(KILL_POINTS)],
-                          capture_output=True, text=True, env=env, timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2] / "platform"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVER, str(tmp_path), json.dumps(KILL_POINTS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"\nfull save of {sum(report['sizes'].values()) / 2**20:.0f} MB took {report['reference_s']:.2f} s")
+    print(
+        f"\nfull save of {sum(report['sizes'].values()) / 2**20:.0f} MB took {report['reference_s']:.2f} s"
+    )
     reference = tmp_path / "reference"
     verify_checkpoint(reference)
     _, _, state = load_checkpoint(reference, tiny, _adamw)  # the complete save loads
@@ -204,8 +225,10 @@ def test_checkpoint_save_killed_at_any_point_is_never_loaded(tiny, tmp_path):
     cut = []
     for case in report["cases"]:
         path = tmp_path / case["name"] / "checkpoint"
-        print(f"  {case['name']:24s} killed={case['killed']} at {case['at_s']:.3f} s: "
-              f"{'complete' if path.exists() else 'no checkpoint'}")
+        print(
+            f"  {case['name']:24s} killed={case['killed']} at {case['at_s']:.3f} s: "
+            f"{'complete' if path.exists() else 'no checkpoint'}"
+        )
         if path.exists():  # published by the rename: then it is the whole checkpoint
             verify_checkpoint(path)
             assert json.loads((path / "MANIFEST.json").read_text()) == ref_manifest
@@ -223,21 +246,29 @@ def test_checkpoint_save_killed_at_any_point_is_never_loaded(tiny, tmp_path):
             try:
                 verify_checkpoint(partial)
             except CheckpointError as e:
-                assert any(w in str(e) for w in ("no MANIFEST", "unreadable", "missing", "truncated", "sha256")), e
+                assert any(
+                    w in str(e)
+                    for w in ("no MANIFEST", "unreadable", "missing", "truncated", "sha256")
+                ), e
                 with pytest.raises(CheckpointError):
                     load_checkpoint(partial, tiny, _adamw)
             else:
                 assert json.loads((partial / "MANIFEST.json").read_text()) == ref_manifest
-    assert MID_SAVE <= set(cut), f"these kills landed after the save completed: {MID_SAVE - set(cut)}"
+    assert MID_SAVE <= set(cut), (
+        f"these kills landed after the save completed: {MID_SAVE - set(cut)}"
+    )
 
 
-@pytest.mark.parametrize(("damage", "message"), [
-    ("truncate:drafter/model.safetensors", "drafter/model.safetensors is truncated"),
-    ("flip:optimizer.safetensors", "optimizer.safetensors does not match its sha256"),
-    ("delete:state.json", "state.json is missing"),
-    ("truncate:MANIFEST.json", "MANIFEST.json is unreadable"),
-    ("delete:MANIFEST.json", "no MANIFEST.json"),
-])
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate:drafter/model.safetensors", "drafter/model.safetensors is truncated"),
+        ("flip:optimizer.safetensors", "optimizer.safetensors does not match its sha256"),
+        ("delete:state.json", "state.json is missing"),
+        ("truncate:MANIFEST.json", "MANIFEST.json is unreadable"),
+        ("delete:MANIFEST.json", "no MANIFEST.json"),
+    ],
+)
 def test_damaged_checkpoint_is_refused_naming_the_problem(tiny, tmp_path, damage, message):
     drafter, opt = _trained_state(tiny)
     path = save_checkpoint(tmp_path / "ckpt", drafter, opt, {"step": 4})
@@ -286,8 +317,14 @@ def test_resume_falls_back_to_an_older_verified_checkpoint_or_fails_clearly(tiny
 @pytest.fixture(scope="module")
 def cluster():
     """Head without CPUs (it hosts the driver and Train's controller), one 2-CPU worker node."""
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 150 * 1024**2, "include_dashboard": False})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": 150 * 1024**2,
+            "include_dashboard": False,
+        },
+    )
     c.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
     c.wait_for_nodes()
     ray.init(address=c.address)
@@ -344,12 +381,16 @@ def test_tracker_outage_bookkeeping_never_blocks_and_never_duplicates(mlflow_ser
     limited.buffer_metrics({"loss": 1.0}, 19)
     assert limited.try_flush() is False
     time.sleep(0.6)
-    with pytest.raises(TrackingUnavailable, match=r"MLflow at http://127.0.0.1:9 .* tracking.max_outage_s = 0.5 s"):
+    with pytest.raises(
+        TrackingUnavailable, match=r"MLflow at http://127.0.0.1:9 .* tracking.max_outage_s = 0.5 s"
+    ):
         limited.drain()
 
 
 @pytest.mark.slow
-def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_metric(cluster, mlflow_server, tmp_module):
+def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_metric(
+    cluster, mlflow_server, tmp_module
+):
     """The MLflow server goes down; during the outage a checkpoint is committed holding
     metrics the server never got, then the node running the training worker is removed
     (raylet, worker and what it had buffered). Train waits for resources, resumes from that
@@ -357,16 +398,30 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
     back after ~30 s. The run ends as an uninterrupted one would, every metric logged once."""
     epochs = 100  # 600 steps: still training when the node goes (at step ~60)
     cfg = tiny_config(
-        tmp_module, "outage", mlflow_server.url, bench=BenchSpec(enabled=False),
-        train=TrainConfig(epochs=epochs, batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=30, eval_every=40,
-                          log_every=1),
-        tracking=TrackingSpec(tracking_uri=mlflow_server.url, experiment="draftlab-test-outage", max_outage_s=120),
+        tmp_module,
+        "outage",
+        mlflow_server.url,
+        bench=BenchSpec(enabled=False),
+        train=TrainConfig(
+            epochs=epochs,
+            batch_size=2,
+            lr=3e-3,
+            warmup_steps=2,
+            checkpoint_every=30,
+            eval_every=40,
+            log_every=1,
+        ),
+        tracking=TrackingSpec(
+            tracking_uri=mlflow_server.url, experiment="draftlab-test-outage", max_outage_s=120
+        ),
     )
     run_dir = Path(cfg.storage_path) / cfg.name
     client = mlflow.MlflowClient(mlflow_server.url)
     thread, box = _start(cfg)
     before = wait_for(lambda: committed_checkpoint(run_dir), 240, "a committed checkpoint")
-    run_id = client.search_runs([client.get_experiment_by_name("draftlab-test-outage").experiment_id])[0].info.run_id
+    run_id = client.search_runs(
+        [client.get_experiment_by_name("draftlab-test-outage").experiment_id]
+    )[0].info.run_id
     delivered = max(m.step for m in client.get_metric_history(run_id, "loss"))
 
     mlflow_server.stop()
@@ -377,7 +432,9 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
         if not s or s["step"] <= before["step"]:
             return None
         try:  # (Ray may have deleted it already: num_to_keep=2)
-            pending = json.loads((s["dir"] / "state.json").read_text())["trainer"]["tracking"]["pending"]
+            pending = json.loads((s["dir"] / "state.json").read_text())["trainer"]["tracking"][
+                "pending"
+            ]
         except (OSError, ValueError):
             return None
         return s | {"pending_steps": sorted({r[3] for r in pending if r[0] == "loss"})}
@@ -387,33 +444,46 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
     assert held and held[0] > delivered and held == list(range(held[0], ckpt["step"] + 1))
     (node,) = cluster.worker_nodes
     workers = wait_for(lambda: _train_workers(cluster), 30, "the training worker")
-    assert {w.info["ppid"] for w in workers} == {_raylet(node)}  # the worker runs on the node we remove
+    assert {w.info["ppid"] for w in workers} == {
+        _raylet(node)
+    }  # the worker runs on the node we remove
     t_lost = time.monotonic()
     cluster.remove_node(node)  # every process of the node: raylet, training worker, ...
     time.sleep(3)  # no CPU left in the cluster: Train waits for resources
     latest = committed_checkpoint(run_dir)  # the last checkpoint committed before the node went
     new = cluster.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
     t_added = time.monotonic()
-    after = wait_for(lambda: (s := committed_checkpoint(run_dir)) and s["step"] > latest["step"] and s, 180,
-                     "a checkpoint on the new node, still during the outage")
+    after = wait_for(
+        lambda: (s := committed_checkpoint(run_dir)) and s["step"] > latest["step"] and s,
+        180,
+        "a checkpoint on the new node, still during the outage",
+    )
     t_resumed = time.monotonic()
     assert not mlflow_server.healthy()
     time.sleep(max(0.0, 22 - (time.monotonic() - t_down)))  # + ~8-14 s of server start-up
     mlflow_server.start()
     t_up = time.monotonic()
     summary = _finish(thread, box)
-    print(f"\noutage {t_up - t_down:.1f} s; checkpoints at steps {before['step']} (before), {ckpt['step']} "
-          f"(during, {len(held)} steps held back); node removed {t_lost - t_down:.1f} s into the outage after the "
-          f"checkpoint of step {latest['step']}, a new one added {t_added - t_lost:.1f} s later; the next "
-          f"checkpoint (step {after['step']}) {t_resumed - t_added:.1f} s after it came; run finished "
-          f"{time.monotonic() - t_up:.1f} s after the server returned")
+    print(
+        f"\noutage {t_up - t_down:.1f} s; checkpoints at steps {before['step']} (before), {ckpt['step']} "
+        f"(during, {len(held)} steps held back); node removed {t_lost - t_down:.1f} s into the outage after the "
+        f"checkpoint of step {latest['step']}, a new one added {t_added - t_lost:.1f} s later; the next "
+        f"checkpoint (step {after['step']}) {t_resumed - t_added:.1f} s after it came; run finished "
+        f"{time.monotonic() - t_up:.1f} s after the server returned"
+    )
 
     assert t_up - t_down >= 25
-    assert summary["resumed_from_step"] == latest["step"] >= ckpt["step"]  # the latest checkpoint, not from scratch
-    assert summary["steps"] == epochs * STEPS_PER_EPOCH and summary["epochs_done"] == epochs  # as uninterrupted
+    assert (
+        summary["resumed_from_step"] == latest["step"] >= ckpt["step"]
+    )  # the latest checkpoint, not from scratch
+    assert (
+        summary["steps"] == epochs * STEPS_PER_EPOCH and summary["epochs_done"] == epochs
+    )  # as uninterrupted
     assert summary["worker_nodes"] == [new.node_id]
     history = _history(mlflow_server.url, summary["mlflow_run_id"])
-    assert history["loss"] == list(range(1, summary["steps"] + 1))  # every step once: none lost, none twice
+    assert history["loss"] == list(
+        range(1, summary["steps"] + 1)
+    )  # every step once: none lost, none twice
     for key, steps in history.items():
         assert len(steps) == len(set(steps)), f"{key} logged twice at a step"
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
@@ -423,21 +493,42 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
 def test_mlflow_outage_past_max_outage_s_fails_the_run_clearly(cluster, mlflow_server, tmp_module):
     """Runs last: leaves the module's server stopped."""
     cfg = tiny_config(
-        tmp_module, "outage-limit", mlflow_server.url, bench=BenchSpec(enabled=False),
-        train=TrainConfig(epochs=10_000, time_budget_minutes=4, batch_size=2, lr=3e-3, warmup_steps=2,
-                          checkpoint_every=50, eval_every=40, log_every=1),
-        tracking=TrackingSpec(tracking_uri=mlflow_server.url, experiment="draftlab-test-outage-limit", max_outage_s=10),
+        tmp_module,
+        "outage-limit",
+        mlflow_server.url,
+        bench=BenchSpec(enabled=False),
+        train=TrainConfig(
+            epochs=10_000,
+            time_budget_minutes=4,
+            batch_size=2,
+            lr=3e-3,
+            warmup_steps=2,
+            checkpoint_every=50,
+            eval_every=40,
+            log_every=1,
+        ),
+        tracking=TrackingSpec(
+            tracking_uri=mlflow_server.url, experiment="draftlab-test-outage-limit", max_outage_s=10
+        ),
     )
     thread, box = _start(cfg)
-    wait_for(lambda: committed_checkpoint(Path(cfg.storage_path) / cfg.name), 240, "a committed checkpoint")
+    wait_for(
+        lambda: committed_checkpoint(Path(cfg.storage_path) / cfg.name),
+        240,
+        "a committed checkpoint",
+    )
     mlflow_server.stop()
     t_down = time.monotonic()
     thread.join(150)
     failed_after = time.monotonic() - t_down
-    print(f"\nserver down; the run failed {failed_after:.1f} s later (limit 10 s, 2 worker restarts allowed)")
+    print(
+        f"\nserver down; the run failed {failed_after:.1f} s later (limit 10 s, 2 worker restarts allowed)"
+    )
     assert not thread.is_alive(), "the run still trains long after the outage limit"
     err = box.get("error")
     print(f"{type(err).__name__}: {err}")
     assert isinstance(err, TrackingUnavailable), repr(err)[-2000:]
-    assert f"MLflow at {mlflow_server.url}" in str(err) and "tracking.max_outage_s = 10 s" in str(err)
+    assert f"MLflow at {mlflow_server.url}" in str(err) and "tracking.max_outage_s = 10 s" in str(
+        err
+    )
     assert failed_after < 90

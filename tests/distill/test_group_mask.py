@@ -206,7 +206,9 @@ def test_mask_reproduces_inference_time_drafting(drop_tokens):
 def test_first_anchor_keeps_depth_zero_and_drops_earlier_mask_chains(drop_tokens):
     seq_len, k, first = 30, 4, 11
     gen = torch.Generator().manual_seed(3)
-    layout = build_group_layout(seq_len, k, drop_tokens=drop_tokens, generator=gen, first_anchor=first)
+    layout = build_group_layout(
+        seq_len, k, drop_tokens=drop_tokens, generator=gen, first_anchor=first
+    )
     real = layout.depth == 0
     assert torch.equal(layout.anchor[real], torch.arange(seq_len))  # the prompt stays as context
     lowest = int(layout.anchor[~real].min())
@@ -215,11 +217,15 @@ def test_first_anchor_keeps_depth_zero_and_drops_earlier_mask_chains(drop_tokens
     if not drop_tokens:  # the full layout's mask nodes from `first` on, nothing else
         full = build_group_layout(seq_len, k)
         keep = (full.depth == 0) | (full.anchor >= first)
-        assert torch.equal(layout.anchor, full.anchor[keep]) and torch.equal(layout.depth, full.depth[keep])
+        assert torch.equal(layout.anchor, full.anchor[keep]) and torch.equal(
+            layout.depth, full.depth[keep]
+        )
     else:  # drop-token counts over the L - first anchors left to the mask depths
         for d in range(1, k):
             got = int((layout.depth == d).sum())
-            assert got == min(math.floor((seq_len - first) * max(0.7**d, 0.2)), seq_len - first - d - 1)
+            assert got == min(
+                math.floor((seq_len - first) * max(0.7**d, 0.2)), seq_len - first - d - 1
+            )
     with pytest.raises(ValueError, match="first_anchor"):
         build_group_layout(seq_len, k, first_anchor=-1)
     assert build_group_layout(5, 3, first_anchor=9).num_nodes == 5  # past the end: depth 0 only

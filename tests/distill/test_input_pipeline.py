@@ -123,7 +123,14 @@ def _plain_loop(
     lengths = row_lengths(data, train.max_seq_len)
     for epoch in range(epoch0, train.epochs):
         batches = epoch_batches(
-            len(data), train.batch_size, epoch, train.seed, rank, world, lengths, train.length_window
+            len(data),
+            train.batch_size,
+            epoch,
+            train.seed,
+            rank,
+            world,
+            lengths,
+            train.length_window,
         )
         for i, idx in enumerate(
             batches[start if epoch == epoch0 else 0 :], start=start if epoch == epoch0 else 0
@@ -148,7 +155,12 @@ def test_prefetched_stream_is_the_plain_loop_batch_for_batch(prefetch, rank, epo
     rows, same drop-token draws as collating in the loop; also from a resume position."""
     data = datasets.Dataset.from_list(_rows(lengths=[5 + (7 * i) % 19 for i in range(22)], seed=1))
     train = TrainConfig(
-        epochs=3, batch_size=3, max_seq_len=16, drop_tokens=True, loss_on_prompt=True, seed=4,
+        epochs=3,
+        batch_size=3,
+        max_seq_len=16,
+        drop_tokens=True,
+        loss_on_prompt=True,
+        seed=4,
         length_window=window,
     )
     ref = _plain_loop(data, train, rank, 2, epoch0, start, seed=11)
@@ -185,7 +197,9 @@ def test_length_grouped_batches_hold_the_same_rows_with_less_padding(world):
             assert spread(grouped) < 0.25 * spread(plain)
             first = [max(lengths[j] for j in b) for b in grouped[:8]]
             assert first != sorted(first)  # the batches are shuffled, not short to long
-    assert epoch_batches(len(lengths), 4, 0, 5, 0, 1, lengths, 8) != epoch_batches(len(lengths), 4, 1, 5, 0, 1, lengths, 8)
+    assert epoch_batches(len(lengths), 4, 0, 5, 0, 1, lengths, 8) != epoch_batches(
+        len(lengths), 4, 1, 5, 0, 1, lengths, 8
+    )
 
 
 def test_a_last_state_family_reads_the_last_columns_of_a_fused_feature_cache(tiny):
@@ -196,7 +210,9 @@ def test_a_last_state_family_reads_the_last_columns_of_a_fused_feature_cache(tin
 
     aux = [0, 1]
     rows = _rows()
-    for r, h in zip(rows, target_features(tiny, [r["input_ids"] for r in rows], 4, aux), strict=True):
+    for r, h in zip(
+        rows, target_features(tiny, [r["input_ids"] for r in rows], 4, aux), strict=True
+    ):
         r["hidden"] = h  # (L, 3H) float16, as cached
     batch = collate(rows, K, 64, False, None)
     fresh = teacher_states(tiny, collate(_rows(), K, 64, False, None))  # (B, L, H): the target run
@@ -217,7 +233,10 @@ def test_leaving_out_prompt_chains_changes_no_loss_and_no_gradient(tiny, family)
     """Without `loss_on_prompt`, collate leaves out the mask nodes whose whole chain predicts
     prompt tokens. No kept node attends to them, so the step's loss, per-depth statistics and
     gradients are those of the full layout with the same response-only loss."""
-    rows = [dict(r, prompt_len=p) for r, p in zip(_rows(lengths=(19, 23, 12, 9)), (9, 14, 3, 7), strict=True)]
+    rows = [
+        dict(r, prompt_len=p)
+        for r, p in zip(_rows(lengths=(19, 23, 12, 9)), (9, 14, 3, 7), strict=True)
+    ]
     short = collate(rows, K, 64, False, None)
     full = collate(rows, K, 64, False, None, loss_on_prompt=True)
     prompt_len = torch.tensor([r["prompt_len"] for r in rows])[:, None]  # (B, 1)
@@ -228,7 +247,9 @@ def test_leaving_out_prompt_chains_changes_no_loss_and_no_gradient(tiny, family)
     for batch in (short, full):
         drafter = init_drafter(family, tiny, k=K, depth=2, seed=0).float().train()
         feats = teacher_states(tiny, batch, drafter.cfg.aux_layers)
-        stats = loss_and_backward(DistillModule(drafter), drafter, batch, feats, TrainConfig(ce_weight=0.5), K)
+        stats = loss_and_backward(
+            DistillModule(drafter), drafter, batch, feats, TrainConfig(ce_weight=0.5), K
+        )
         grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
         results.append((stats, grads))
     (s1, g1), (s2, g2) = results
@@ -239,4 +260,6 @@ def test_leaving_out_prompt_chains_changes_no_loss_and_no_gradient(tiny, family)
         # Float32 sums over a different number of nodes: equal up to rounding (here <= 3e-4
         # of the largest gradient); a node seeing a left-out one would differ by O(1).
         scale = float(g2[n].abs().max())
-        torch.testing.assert_close(g1[n], g2[n], atol=1e-3 * scale, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            g1[n], g2[n], atol=1e-3 * scale, rtol=1e-3, msg=lambda m, n=n: f"{n}: {m}"
+        )

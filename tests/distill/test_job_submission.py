@@ -34,8 +34,15 @@ def head(tmp_path_factory):
 
     # Every fixed default port gets a free one: another Ray instance on this machine (a
     # developer's, or a test module's) must not collide with this head's agents.
-    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-             "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
+    flags = (
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "metrics-export-port",
+        "runtime-env-agent-port",
+        "ray-client-server-port",
+        "node-manager-port",
+        "object-manager-port",
+    )
     port, dash, *others = free_ports(2 + len(flags))
     agent_ports = [f"--{flag}={p}" for flag, p in zip(flags, others, strict=True)]
     # As with an activated virtualenv: the job's `python` is this interpreter.
@@ -44,23 +51,41 @@ def head(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("head") / "ray-start.log"
     log = open(log_path, "w")  # noqa: SIM115 (closed at teardown)
     proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=3", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--object-store-memory=157286400",
-         "--disable-usage-stats", *agent_ports],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=3",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            "--object-store-memory=157286400",
+            "--disable-usage-stats",
+            *agent_ports,
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         url = f"http://127.0.0.1:{dash}"
         deadline = time.monotonic() + 120
         while True:  # up, or failed to start: say why instead of timing out in the tests
-            assert proc.poll() is None, f"ray start exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"ray start exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+            )
             try:
                 urllib.request.urlopen(f"{url}/api/version", timeout=5).close()
                 break
             except urllib.error.HTTPError:  # it answers (401 without Ray's auth token): it is up
                 break
             except OSError:
-                assert time.monotonic() < deadline, f"no dashboard after 120 s: {log_path.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, (
+                    f"no dashboard after 120 s: {log_path.read_text()[-3000:]}"
+                )
                 time.sleep(1)
         yield url
     finally:
@@ -81,7 +106,9 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`draftlab ...` as a user runs it against a cluster with Ray's token auth on:
     RAY_AUTH_MODE=token makes the client send ~/.ray/auth_token (written by `ray start --head`)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    return subprocess.run([DRAFTLAB, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [DRAFTLAB, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_submit_runs_a_distill_job_and_jobs_logs_shows_its_output(head, tmp_path):
@@ -113,9 +140,15 @@ def test_submit_runs_a_distill_job_and_jobs_logs_shows_its_output(head, tmp_path
 
 def test_jobs_errors_are_clear(head):
     out = _cli("jobs", "logs", "raysubmit_nope", "--address", head)
-    assert out.returncode == 2 and "job 'raysubmit_nope'" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 2
+        and "job 'raysubmit_nope'" in out.stderr
+        and "Traceback" not in out.stderr
+    )
     out = _cli("jobs", "list", "--address", "http://127.0.0.1:1")
-    assert out.returncode == 2 and "no Ray dashboard at http://127.0.0.1:1" in out.stderr, out.stderr
+    assert out.returncode == 2 and "no Ray dashboard at http://127.0.0.1:1" in out.stderr, (
+        out.stderr
+    )
     out = _cli("submit", "distill", "--address", head, "-c", "missing.yaml")
     assert out.returncode == 2 and "missing.yaml: config file not found" in out.stderr
 
@@ -124,7 +157,9 @@ def test_runtime_env_ships_this_checkout():
     from draftlab.submit import requirements, runtime_env
 
     env = runtime_env(pip=True, env_vars={"A": "1"})
-    assert env["working_dir"] == str(ROOT) and env["py_modules"] == [str(ROOT / "platform" / "draftlab")]
+    assert env["working_dir"] == str(ROOT) and env["py_modules"] == [
+        str(ROOT / "platform" / "draftlab")
+    ]
     assert ".venv/" in env["excludes"] and ".draftlab/" in env["excludes"]
     assert env["pip"] == requirements() and not any(r.startswith("torch") for r in env["pip"])
     assert any(r.startswith("ray[") for r in env["pip"]) and env["env_vars"] == {"A": "1"}

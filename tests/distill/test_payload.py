@@ -21,7 +21,11 @@ def test_the_trainer_gets_a_plain_dict_that_validates_back(cfg):
     config = launch.build_trainer(cfg, "/data/cache", "run-1", "sqlite:///t.db").train_loop_config
     assert type(config) is dict and type(config["cfg"]) is dict
     payload = WorkerPayload.model_validate(config)
-    assert payload.cfg == cfg and payload.data_path == "/data/cache" and payload.mlflow_run_id == "run-1"
+    assert (
+        payload.cfg == cfg
+        and payload.data_path == "/data/cache"
+        and payload.mlflow_run_id == "run-1"
+    )
     assert payload.tracking_uri == "sqlite:///t.db" and payload.output_dir == launch.output_dir(cfg)
 
 

@@ -115,7 +115,9 @@ def test_distill_to_s3_stores_the_drafter_there_loads_it_back_and_resumes(s3, tm
     name, stored_tensor = next(
         (n, t) for n, t in weights.items() if n in dict(drafter.named_parameters())
     )
-    loaded = dict(drafter.named_parameters())[name].detach()  # in the target's dtype (bf16 on AMX/AVX512-BF16)
+    loaded = dict(drafter.named_parameters())[
+        name
+    ].detach()  # in the target's dtype (bf16 on AMX/AVX512-BF16)
     assert torch.equal(loaded, stored_tensor.to(loaded.dtype))
     saved_tree = json.loads(_get(s3, "runs/s3run/drafter/tree.json"))
     tree = resolve_tree(None, summary["drafter_dir"], cfg.drafter.k)

@@ -36,7 +36,10 @@ def _prefilled(target):
 def _stepwise(target, path: list[int]) -> torch.Tensor:
     """Logits (len(path), V) of feeding `path` one token per forward after the prefix."""
     cache, ctx = _prefilled(target), len(PREFIX)
-    rows = [target.forward(torch.tensor([tok]), torch.tensor([ctx + i]), cache)[0] for i, tok in enumerate(path)]
+    rows = [
+        target.forward(torch.tensor([tok]), torch.tensor([ctx + i]), cache)[0]
+        for i, tok in enumerate(path)
+    ]
     return torch.cat(rows)
 
 
@@ -45,8 +48,14 @@ def tiny_bf16(tiny):
     if not cpu_has_fast_bf16():
         pytest.skip("bit-exact bf16 rows rely on oneDNN's AMX or AVX512-BF16 matmuls")
     cfg = LlamaConfig(
-        vocab_size=tiny.vocab_size, hidden_size=256, intermediate_size=1536, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        vocab_size=tiny.vocab_size,
+        hidden_size=256,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -74,12 +83,16 @@ def rows_impl(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("path", [[4, 9, 33, 12, 6], [7, 1, 2, 40, 5, 5, 8, 19, 3, 11, 6, 2, 9, 30]])
+@pytest.mark.parametrize(
+    "path", [[4, 9, 33, 12, 6], [7, 1, 2, 40, 5, 5, 8, 19, 3, 11, 6, 2, 9, 30]]
+)
 def test_chain_block_equals_token_by_token_bitwise(tiny_bf16, rows_impl, path):
     ctx = len(PREFIX)
     cache = _prefilled(tiny_bf16)
     rows = [ctx + i + 1 for i in range(len(path))]
-    block, _ = tiny_bf16.forward(torch.tensor(path), torch.arange(ctx, ctx + len(path)), cache, rows=rows)
+    block, _ = tiny_bf16.forward(
+        torch.tensor(path), torch.arange(ctx, ctx + len(path)), cache, rows=rows
+    )
     assert torch.equal(block, _stepwise(tiny_bf16, path))
 
 
@@ -95,7 +108,11 @@ def test_tree_rows_see_only_their_ancestors_bitwise(tiny_bf16, rows_impl, grafte
     ctx = len(PREFIX)
     cache = _prefilled(tiny_bf16)
     seen = [row.nonzero()[:, 0] for row in tree.ancestor_mask]
-    plan = attention.RowPlan.tree(ctx, torch.nn.utils.rnn.pad_sequence(seen, batch_first=True), torch.tensor([len(s) for s in seen]))
+    plan = attention.RowPlan.tree(
+        ctx,
+        torch.nn.utils.rnn.pad_sequence(seen, batch_first=True),
+        torch.tensor([len(s) for s in seen]),
+    )
     assert plan.prefix == (5 if grafted else 2)
     explicit = attention.RowPlan.build([torch.cat([torch.arange(ctx), ctx + s]) for s in seen])
     assert torch.equal(plan.mask, explicit.mask)
@@ -126,10 +143,16 @@ def test_row_kernel_rows_do_not_depend_on_their_neighbours(dtype):
         torch.set_num_threads(1)
         for r in range(5):
             n = int(counts[r])
-            alone = row_kernel.rows_attention(q[r : r + 1], k, v, index[r : r + 1, :n], counts[r : r + 1], 0.125)
+            alone = row_kernel.rows_attention(
+                q[r : r + 1], k, v, index[r : r + 1, :n], counts[r : r + 1], 0.125
+            )
             assert torch.equal(alone[0], block[r]), f"row {r}"
-            kr, vr = (t[:, index[r, :n]].float().repeat_interleave(heads // kv, 0) for t in (k, v))  # (heads, n, d)
-            ref = torch.nn.functional.scaled_dot_product_attention(q[r][:, None], kr, vr, scale=0.125)[:, 0]
+            kr, vr = (
+                t[:, index[r, :n]].float().repeat_interleave(heads // kv, 0) for t in (k, v)
+            )  # (heads, n, d)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[r][:, None], kr, vr, scale=0.125
+            )[:, 0]
             torch.testing.assert_close(block[r], ref, rtol=1e-5, atol=1e-6)
     finally:
         torch.set_num_threads(threads)
@@ -140,10 +163,14 @@ def test_row_kernel_is_used_on_cpu_and_can_be_turned_off(tiny, monkeypatch):
     _need_kernel()
     assert row_kernel.supports(torch.zeros(1, 4, 1, 64), torch.zeros(1, 2, 3, 64))
     assert not row_kernel.supports(torch.zeros(1, 4, 1, 48), torch.zeros(1, 2, 3, 48))  # head size
-    assert not row_kernel.supports(torch.zeros(1, 4, 1, 64), torch.zeros(1, 2, 3, 64, dtype=torch.float16))
+    assert not row_kernel.supports(
+        torch.zeros(1, 4, 1, 64), torch.zeros(1, 2, 3, 64, dtype=torch.float16)
+    )
     calls = []
     real = row_kernel.rows_attention
-    monkeypatch.setattr(row_kernel, "rows_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(
+        row_kernel, "rows_attention", lambda *a: calls.append(a[0].shape) or real(*a)
+    )
     cache = _prefilled(tiny)
     tiny.forward(torch.tensor([5]), torch.tensor([len(PREFIX)]), cache)
     assert calls and all(shape[0] == 1 for shape in calls)  # one row per layer
@@ -180,7 +207,9 @@ def test_a_process_killed_while_loading_the_kernel_blocks_no_later_one(tmp_path)
     where.mkdir(parents=True)
     (where / "lock").touch()  # torch's baton, left by a process killed in cpp_extension.load
     (where.parent / f"{where.name}.tmp-1").mkdir()  # a build killed half-way
-    holder = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD], env=env, stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline() == "held\n"
     holder.kill()
     holder.wait()
@@ -382,12 +411,16 @@ def test_fused_verify_takes_sdpa_output_in_a_transposed_layout(fused32, monkeypa
 
     def strided(*args, **kwargs):
         out = sdpa(*args, **kwargs)  # (B, H, T, d)
-        strided_out = out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, T, H, d) memory
+        strided_out = (
+            out.transpose(1, 2).contiguous().transpose(1, 2)
+        )  # same values, (B, T, H, d) memory
         assert not strided_out.is_contiguous()
         return strided_out
 
     monkeypatch.setattr(fused_attention.F, "scaled_dot_product_attention", strided)
     got, _ = fused32.forward(ids, positions, _prefilled(fused32), rows=_tree_plan(tree, ctx))
-    step, _ = fused32.forward(torch.tensor([5]), torch.tensor([ctx]), _prefilled(fused32))  # a decoding step
+    step, _ = fused32.forward(
+        torch.tensor([5]), torch.tensor([ctx]), _prefilled(fused32)
+    )  # a decoding step
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert step.shape == (1, fused32.vocab_size)

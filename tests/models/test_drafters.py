@@ -28,7 +28,10 @@ def tiny_fp32():
 
 def test_registry_lists_families():
     assert available_drafters() == ["autoregressive", "p-eagle", "parallel"]
-    with pytest.raises(KeyError, match=r"unknown drafter family 'medusa'; available: \['autoregressive', 'p-eagle', 'parallel'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"unknown drafter family 'medusa'; available: \['autoregressive', 'p-eagle', 'parallel'\]",
+    ):
         init_drafter("medusa", load_target("tiny-llama"))
 
 
@@ -68,7 +71,11 @@ def test_rounds_of_proposals_equal_a_fresh_forward_over_the_committed_entries(ti
     torch.manual_seed(0)
     d = init_drafter(family, tiny_fp32, k=4, depth=2, seed=5)
     k = 1 if family == "autoregressive" else 4  # its deeper drafts feed back its own tokens
-    state, toks, feats = d.new_state(), torch.empty(0, dtype=torch.long), torch.empty(0, d.feature_size)
+    state, toks, feats = (
+        d.new_state(),
+        torch.empty(0, dtype=torch.long),
+        torch.empty(0, d.feature_size),
+    )
     for new in [7, 1, 3, 2, 1, 3]:
         t, f = torch.randint(0, tiny_fp32.vocab_size, (new,)), features(d, new)
         _, got = d.propose(state, t, f, k, greedy_pick)  # (k, V)
@@ -85,14 +92,19 @@ def test_rounds_of_proposals_equal_a_fresh_forward_over_the_committed_entries(ti
 def test_parallel_k_above_trained_fails(tiny):
     d = init_drafter("parallel", tiny, k=3)
     with pytest.raises(ValueError, match="k <= 3"):
-        d.propose(d.new_state(), torch.tensor([1]), torch.zeros(1, tiny.hidden_size), 4, greedy_pick)
+        d.propose(
+            d.new_state(), torch.tensor([1]), torch.zeros(1, tiny.hidden_size), 4, greedy_pick
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_load_round_trip(tmp_path, tiny, family):
     d = init_drafter(family, tiny, k=4, depth=2, seed=7)
     d.save(tmp_path / "drafter")
-    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
     cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert cfg["target_fingerprint"] == tiny.fingerprint and cfg["family"] == family
     loaded = load_drafter(tmp_path / "drafter", tiny)
@@ -108,7 +120,9 @@ def test_save_load_round_trip(tmp_path, tiny, family):
 
 def test_load_against_wrong_target_fails(tmp_path, tiny):
     init_drafter("parallel", tiny).save(tmp_path / "d")
-    with pytest.raises(ValueError, match=r"built for target 'tiny-llama'.*loaded target is 'tiny-llama-v8'"):
+    with pytest.raises(
+        ValueError, match=r"built for target 'tiny-llama'.*loaded target is 'tiny-llama-v8'"
+    ):
         load_drafter(tmp_path / "d", load_target("tiny-llama-v8"))
 
 
@@ -144,13 +158,17 @@ def test_p_eagle_layout_is_vllms(tiny):
     2H inputs and that has a hidden_norm, one shared mask_hidden of the aux width."""
     d = init_drafter("p-eagle", tiny, k=3, depth=2)
     h, aux = tiny.hidden_size, d.cfg.aux_layers
-    assert aux == [0, 1] and d.cfg.mask_token_id is not None  # 2-layer target: 0, L/2, L-1 deduplicated
+    assert (
+        aux == [0, 1] and d.cfg.mask_token_id is not None
+    )  # 2-layer target: 0, L/2, L-1 deduplicated
     sd = d.state_dict()
     assert sd["fc.weight"].shape == (h, len(aux) * h)
     assert sd["mask_hidden"].shape == (1, len(aux) * h)
     assert sd["decoder.layers.0.self_attn.q_proj.weight"].shape[1] == 2 * h
     assert sd["decoder.layers.0.hidden_norm.weight"].shape == (h,)
-    assert sd["decoder.layers.1.self_attn.q_proj.weight"].shape[1] == h  # later layers are stock Llama
+    assert (
+        sd["decoder.layers.1.self_attn.q_proj.weight"].shape[1] == h
+    )  # later layers are stock Llama
     assert not any("mask_embeddings" in k for k in sd)
 
 
@@ -165,7 +183,9 @@ def test_p_eagle_slots_share_one_input_and_differ_by_position(tiny):
 def test_p_eagle_rejects_features_without_aux_states(tiny):
     d = init_drafter("p-eagle", tiny, k=2)
     with pytest.raises(ValueError, match=r"p-eagle needs the target's states at layers \[0, 1\]"):
-        d.propose(d.new_state(), torch.tensor([1, 2]), torch.zeros(2, tiny.hidden_size), 2, greedy_pick)
+        d.propose(
+            d.new_state(), torch.tensor([1, 2]), torch.zeros(2, tiny.hidden_size), 2, greedy_pick
+        )
     with pytest.raises(ValueError, match=r"aux_layers \[5\] must be layer ids in \[0, 1\]"):
         init_drafter("p-eagle", tiny, aux_layers=[5])
 
@@ -184,5 +204,7 @@ def test_target_features_are_the_residual_states_after_each_aux_layer(tiny):
         x = tiny.embed(ids)[None]
         pos = torch.arange(4)[None]
         pe = tiny.model.model.rotary_emb(x, pos)
-        after1 = tiny.model.model.layers[0](x, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        after1 = tiny.model.model.layers[0](
+            x, attention_mask=None, position_embeddings=pe, position_ids=pos
+        )
     torch.testing.assert_close(feats[:, h : 2 * h], after1[0], atol=1e-5, rtol=1e-4)

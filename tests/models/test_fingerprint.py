@@ -2,6 +2,7 @@
 files (headers + a memory-mapped sample) instead of loading the model; the result must
 equal what `load_target` computes on the loaded weights, or drafters and cached data
 would stop matching their target."""
+
 import json
 import struct
 
@@ -61,7 +62,9 @@ def test_tensors_the_files_do_not_hold_are_refused(tmp_path):
     (size,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + size])
     header["lm_head.weighs"] = header.pop("lm_head.weight")  # as a renamed/fused checkpoint would
-    blob = json.dumps(header, separators=(",", ":")).encode().ljust(size)  # same length: the data offsets stay valid
+    blob = (
+        json.dumps(header, separators=(",", ":")).encode().ljust(size)
+    )  # same length: the data offsets stay valid
     assert len(blob) == size
     path.write_bytes(raw[:8] + blob + raw[8 + size :])
     with pytest.raises(NotFromFiles, match="lm_head.weight"):

@@ -38,8 +38,15 @@ def test_fingerprint_is_stable_and_distinguishes_weights(tiny):
 def test_chat_template_applied(tiny):
     ids = tiny.encode_prompt("Hi")
     assert tiny.tokenizer.decode(ids) == "<user>Hi</s><assistant>"
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Again"}]
-    assert tiny.tokenizer.decode(tiny.encode_prompt(chat)) == "<user>Hi</s><assistant>Yo</s><user>Again</s><assistant>"
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yo"},
+        {"role": "user", "content": "Again"},
+    ]
+    assert (
+        tiny.tokenizer.decode(tiny.encode_prompt(chat))
+        == "<user>Hi</s><assistant>Yo</s><user>Again</s><assistant>"
+    )
 
 
 def test_local_dir_roundtrip(tmp_path, tiny):
@@ -67,7 +74,12 @@ def test_float32_cpu_linears_take_several_rows_weight_major():
     assert linears and all(getattr(m, "_draftlab_weight_major", False) for m in linears)
     gen = torch.Generator().manual_seed(0)
     for m in (tiny.model.model.layers[0].self_attn.q_proj, tiny.lm_head):
-        for shape in ((1, 1, m.in_features), (3, m.in_features), (1, 5, m.in_features), (2, 4, m.in_features)):
+        for shape in (
+            (1, 1, m.in_features),
+            (3, m.in_features),
+            (1, 5, m.in_features),
+            (2, 4, m.in_features),
+        ):
             x = torch.randn(*shape, generator=gen)
             want = F.linear(x, m.weight, m.bias)
             got = m(x)

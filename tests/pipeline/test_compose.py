@@ -17,7 +17,11 @@ from draftlab.serve.control import load_serve_config
 from draftlab.sweep.space import load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-PIPELINES = [p for p in sorted((ROOT / "jobs/configs").glob("pipeline-*.yaml")) if "\ndistill:" in p.read_text()]
+PIPELINES = [
+    p
+    for p in sorted((ROOT / "jobs/configs").glob("pipeline-*.yaml"))
+    if "\ndistill:" in p.read_text()
+]
 
 
 def _named(path: Path, ref: str) -> Path:
@@ -35,29 +39,52 @@ def test_one_pass_equals_the_standalone_loaders(path, tmp_path):
     distill_file = _named(path, doc["distill"])
     overrides = dotted(doc.get("overrides", {}))
     # the baseline: `draftlab distill -c` of the distill file with the pipeline's overrides
-    assert p.distill == load_yaml(DistillConfig, distill_file, overrides | {
-        "name": f"{doc['name']}-baseline", "tracking.experiment": p.cfg.experiment})
+    assert p.distill == load_yaml(
+        DistillConfig,
+        distill_file,
+        overrides | {"name": f"{doc['name']}-baseline", "tracking.experiment": p.cfg.experiment},
+    )
     # the sweep: `draftlab sweep -c` of the equivalent sweep file
     stage = dict(doc["sweep"])
     sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(yaml.safe_dump(stage | {
-        "name": doc["name"], "base": str(distill_file), "experiment": p.cfg.experiment, "promote": False,
-        "overrides": overrides | dotted(stage.get("overrides", {}))}))
+    sweep_file.write_text(
+        yaml.safe_dump(
+            stage
+            | {
+                "name": doc["name"],
+                "base": str(distill_file),
+                "experiment": p.cfg.experiment,
+                "promote": False,
+                "overrides": overrides | dotted(stage.get("overrides", {})),
+            }
+        )
+    )
     sweep, base = load_sweep(sweep_file)
     assert p.sweep == sweep
-    tracking = {**base.get("tracking", {}), "experiment": p.cfg.experiment, "parent_run_id": "run-1"}
+    tracking = {
+        **base.get("tracking", {}),
+        "experiment": p.cfg.experiment,
+        "parent_run_id": "run-1",
+    }
     assert p.sweep_base("run-1") == base | {"tracking": tracking}
     # the endpoint: `draftlab serve -c` of the Serve file with the champion and the overrides
     serve_doc = yaml.safe_load(_named(path, doc["serve"]["config"]).read_text())
     app = serve_doc["applications"][0]
-    app["args"] = apply_dotted(app.get("args") or {}, {"model_uri": "models:/m@champion", "tracking_uri": "sqlite:///t.db"}
-                               | dotted(doc["serve"].get("overrides", {})))
+    app["args"] = apply_dotted(
+        app.get("args") or {},
+        {"model_uri": "models:/m@champion", "tracking_uri": "sqlite:///t.db"}
+        | dotted(doc["serve"].get("overrides", {})),
+    )
     serve_file = tmp_path / "serve.yaml"
     serve_file.write_text(yaml.safe_dump(serve_doc))
-    expected = load_serve_config(serve_file) | {k: doc["serve"][k] for k in ("host", "port") if k in doc["serve"]}
+    expected = load_serve_config(serve_file) | {
+        k: doc["serve"][k] for k in ("host", "port") if k in doc["serve"]
+    }
     spec = p.serve_spec("models:/m@champion", "sqlite:///t.db")
     assert spec.keys() == expected.keys()
-    assert {k: v for k, v in spec.items() if k != "args"} == {k: v for k, v in expected.items() if k != "args"}
+    assert {k: v for k, v in spec.items() if k != "args"} == {
+        k: v for k, v in expected.items() if k != "args"
+    }
     assert spec["args"].model_dump() == expected["args"].model_dump()
 
 
@@ -75,13 +102,19 @@ def test_the_files_are_read_once(tmp_path):
     (tmp_path / "serving/smollm2-135m.yaml").unlink()
     assert p.sweep_base("run-1") == base and p.sweep_base("run-1") is not base
     assert p.serve_spec("models:/m@champion", "sqlite:///t.db") == spec
-    assert base["tracking"]["parent_run_id"] == "run-1" and p.sweep_base(None)["tracking"]["parent_run_id"] is None
+    assert (
+        base["tracking"]["parent_run_id"] == "run-1"
+        and p.sweep_base(None)["tracking"]["parent_run_id"] is None
+    )
 
 
 def test_references_resolve_from_the_pipeline_file_then_the_cwd(tmp_path, monkeypatch):
     doc = yaml.safe_load((ROOT / "jobs/configs/pipeline-tiny-quick.yaml").read_text())
     monkeypatch.chdir(ROOT)
-    doc |= {"distill": "jobs/configs/pipeline-tiny-distill.yaml", "serve": {**doc["serve"], "config": "serving/smollm2-135m.yaml"}}
+    doc |= {
+        "distill": "jobs/configs/pipeline-tiny-distill.yaml",
+        "serve": {**doc["serve"], "config": "serving/smollm2-135m.yaml"},
+    }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(doc))
     p = load_pipeline(path)  # neither is next to the pipeline file: found from the cwd
@@ -89,7 +122,9 @@ def test_references_resolve_from_the_pipeline_file_then_the_cwd(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as e:
         load_pipeline(path)
-    assert str(e.value) == f"{path}: distill: file not found: jobs/configs/pipeline-tiny-distill.yaml"
+    assert (
+        str(e.value) == f"{path}: distill: file not found: jobs/configs/pipeline-tiny-distill.yaml"
+    )
 
 
 def test_bad_pipeline_files_name_the_file_and_field(tmp_path):
@@ -100,16 +135,32 @@ def test_bad_pipeline_files_name_the_file_and_field(tmp_path):
     cases = {
         "colour": ({"colour": "red"}, "colour: unknown key"),
         "distill": ({"distill": "nope.yaml"}, "distill: file not found: nope.yaml"),
-        "override": ({"overrides": {"train": {"lr": -1}}}, f"overrides (distill {distill_file}):\n  train.lr"),
+        "override": (
+            {"overrides": {"train": {"lr": -1}}},
+            f"overrides (distill {distill_file}):\n  train.lr",
+        ),
         "space": ({"sweep": {"space": {"target.name": ["x"]}}}, "space.target.name"),
-        "space-value": ({"sweep": {"space": {"drafter.k": [0, 2]}}}, f"sweep: space.drafter.k=0 (base {distill_file})"),
-        "sweep-override": ({"sweep": {"overrides": {"train.epochs": 0}}}, f"sweep: overrides (base {distill_file})"),
-        "grid-range": ({"sweep": {"space": {"train.lr": {"uniform": [0.1, 0.2]}}}}, "sweep: space.train.lr: grid search"),
+        "space-value": (
+            {"sweep": {"space": {"drafter.k": [0, 2]}}},
+            f"sweep: space.drafter.k=0 (base {distill_file})",
+        ),
+        "sweep-override": (
+            {"sweep": {"overrides": {"train.epochs": 0}}},
+            f"sweep: overrides (base {distill_file})",
+        ),
+        "grid-range": (
+            {"sweep": {"space": {"train.lr": {"uniform": [0.1, 0.2]}}}},
+            "sweep: space.train.lr: grid search",
+        ),
         "tree": ({"sweep": {"trees": ["bushy"]}}, "unknown tree 'bushy'"),
-        "serve-config": ({"serve": {**good["serve"], "config": "nope-serve.yaml"}},
-                         "serve.config: file not found: nope-serve.yaml"),
-        "serve": ({"serve": {**good["serve"], "overrides": {"autoscaling.max_replicas": 0}}},
-                  "serve.overrides:\n  autoscaling.max_replicas"),
+        "serve-config": (
+            {"serve": {**good["serve"], "config": "nope-serve.yaml"}},
+            "serve.config: file not found: nope-serve.yaml",
+        ),
+        "serve": (
+            {"serve": {**good["serve"], "overrides": {"autoscaling.max_replicas": 0}}},
+            "serve.overrides:\n  autoscaling.max_replicas",
+        ),
     }
     for name, (change, expected) in cases.items():
         path = tmp_path / f"{name}.yaml"
@@ -126,14 +177,28 @@ def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
     from draftlab.serve.vllm_app import VllmServeArgs
 
     p = load_pipeline(ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml")
-    deploy = {"speculation": "on", "method": "ngram", "num_speculative_tokens": 4, "ngram_min": 2,
-              "schedule": [[1, 8, 4], [9, 1024, 0]], "target.dtype": "float32"}
+    deploy = {
+        "speculation": "on",
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "ngram_min": 2,
+        "schedule": [[1, 8, 4], [9, 1024, 0]],
+        "target.dtype": "float32",
+    }
     spec = p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy)
     args = spec["args"]
     assert isinstance(args, VllmServeArgs) and spec["name"] == "draftlab-vllm"
-    assert (args.method, args.schedule, args.target.dtype) == ("ngram", [(1, 8, 4), (9, 1024, 0)], "float32")
-    assert args.model_uri == "models:/d@champion" and args.autoscaling.max_replicas == 1  # serve.overrides
-    assert type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
+    assert (args.method, args.schedule, args.target.dtype) == (
+        "ngram",
+        [(1, 8, 4), (9, 1024, 0)],
+        "float32",
+    )
+    assert (
+        args.model_uri == "models:/d@champion" and args.autoscaling.max_replicas == 1
+    )  # serve.overrides
+    assert (
+        type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
+    )
     with pytest.raises(ConfigError, match="schedule"):
         p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy | {"schedule": [[2, 8, 3]]})
     tiny = load_pipeline(ROOT / "jobs/configs/pipeline-tiny-quick.yaml")  # compare.engine: draftlab
@@ -156,7 +221,9 @@ def test_compare_engine_falls_back_to_ours_without_vllm_and_says_why(monkeypatch
     with pytest.raises(ConfigError, match="compare.engine: vllm: No module named 'vllm'"):
         stages.compare_engine(CompareStage(engine="vllm"))
     monkeypatch.setattr(stages, "require_vllm", lambda: "0.29.0")
-    monkeypatch.setattr(stages, "require_arctic", lambda: (_ for _ in ()).throw(ImportError("no arctic")))
+    monkeypatch.setattr(
+        stages, "require_arctic", lambda: (_ for _ in ()).throw(ImportError("no arctic"))
+    )
     engine, methods, note = stages.compare_engine(CompareStage())
     assert engine == "vllm" and "vllm_suffix" not in methods and "vllm_draftlab" in methods
     assert note == "vllm_suffix left out: no arctic"

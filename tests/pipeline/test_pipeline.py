@@ -27,7 +27,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024**2)
+    ray.init(
+        address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024**2
+    )
     yield
     from ray import serve
 
@@ -38,10 +40,19 @@ def ray_local():
 def pipeline_file(tmp: Path, uri: str, port: int) -> Path:
     """The --quick pipeline with every output under `tmp` and the test's MLflow and port."""
     doc = yaml.safe_load((ROOT / "jobs/configs/pipeline-tiny-quick.yaml").read_text())
-    doc |= {"distill": str(ROOT / "jobs/configs/pipeline-tiny-distill.yaml"), "state_dir": str(tmp / "state"),
-            "overrides": {"storage_path": str(tmp / "ray"), "data": {"cache_dir": str(tmp / "data")},
-                          "tracking": {"tracking_uri": uri}}}
-    doc["serve"] |= {"config": str(ROOT / doc["serve"]["config"].removeprefix("../../")), "port": port}
+    doc |= {
+        "distill": str(ROOT / "jobs/configs/pipeline-tiny-distill.yaml"),
+        "state_dir": str(tmp / "state"),
+        "overrides": {
+            "storage_path": str(tmp / "ray"),
+            "data": {"cache_dir": str(tmp / "data")},
+            "tracking": {"tracking_uri": uri},
+        },
+    }
+    doc["serve"] |= {
+        "config": str(ROOT / doc["serve"]["config"].removeprefix("../../")),
+        "port": port,
+    }
     path = tmp / "pipeline.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -65,8 +76,13 @@ def test_every_stage_runs_for_real(first, mlflow_uri):
     assert champ["source"] in ("baseline", "sweep")
     # the distillation and the sweep are nested under the pipeline's parent run
     parent = s["mlflow_run_id"]
-    nested = {r.data.tags.get("draftlab.kind") for r in client.search_runs(
-        [client.get_experiment_by_name("draftlab-pipelines").experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")}
+    nested = {
+        r.data.tags.get("draftlab.kind")
+        for r in client.search_runs(
+            [client.get_experiment_by_name("draftlab-pipelines").experiment_id],
+            f"tags.`mlflow.parentRunId` = '{parent}'",
+        )
+    }
     assert {"distill", "sweep"} <= nested
     arts = {a.path for a in client.list_artifacts(parent)}
     assert {"bench.json", "profile.json", "summary.json", "sweep", "report"} <= arts
@@ -86,8 +102,9 @@ def test_the_endpoint_answers_the_openai_client(first):
     _, s = first
     ep = s["endpoint"]
     client = OpenAI(base_url=ep["url"], api_key="none")
-    out = client.chat.completions.create(model=ep["model"], messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-                                         temperature=0)
+    out = client.chat.completions.create(
+        model=ep["model"], messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0
+    )
     assert out.usage.completion_tokens >= 1
     assert s["smoke"]["usage"]["completion_tokens"] >= 1
 
@@ -96,7 +113,9 @@ def test_a_second_run_skips_every_finished_stage(first):
     path, s = first
     again = run_pipeline(path, progress=False)
     assert {k: v["status"] for k, v in again["stages"].items() if k != "total"} == {
-        **{k: "skipped (done before)" for k in STAGES}, "smoke": "ran"}  # smoke always checks the live endpoint
+        **{k: "skipped (done before)" for k in STAGES},
+        "smoke": "ran",
+    }  # smoke always checks the live endpoint
     assert again["champion"] == s["champion"] and again["mlflow_run_id"] == s["mlflow_run_id"]
 
 
@@ -129,8 +148,13 @@ def test_report_cli_rebuilds_the_report_from_the_pipeline_dir(first, mlflow_uri,
     assert main(["report", str(tmp_path / "nothing-here")]) == 2
 
 
-@pytest.mark.parametrize("fast_bf16,dtype,noted", [(False, "auto", True), (True, "auto", False), (False, "float32", False)])
-def test_a_target_that_runs_in_float32_on_this_cpu_is_announced(monkeypatch, fast_bf16, dtype, noted):
+@pytest.mark.parametrize(
+    "fast_bf16,dtype,noted",
+    [(False, "auto", True), (True, "auto", False), (False, "float32", False)],
+)
+def test_a_target_that_runs_in_float32_on_this_cpu_is_announced(
+    monkeypatch, fast_bf16, dtype, noted
+):
     # the CPU's bf16 support is the one input a test machine cannot choose: patched
     monkeypatch.setattr("draftlab.models.target.cpu_has_fast_bf16", lambda: fast_bf16)
     note = float32_note(TargetSpec(name="smollm2-135m", device="cpu", dtype=dtype))

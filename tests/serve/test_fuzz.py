@@ -34,8 +34,13 @@ TOTALS: Counter = Counter()
 @pytest.fixture(scope="module")
 def base_url():
     for url in local_serve():
-        args = ServeArgs(target=TargetSpec(name=TINY), drafter="init:parallel", num_cpus=0.25, health_check_timeout_s=30,
-                         max_body_bytes=MAX_BODY)
+        args = ServeArgs(
+            target=TargetSpec(name=TINY),
+            drafter="init:parallel",
+            num_cpus=0.25,
+            health_check_timeout_s=30,
+            max_body_bytes=MAX_BODY,
+        )
         serve.run(build_app(args), name="fuzz", route_prefix="/")
         yield url
 
@@ -48,8 +53,13 @@ def http(base_url):
 
 def test_schema_documents_request_bodies_and_errors(http):
     doc = http.get("/openapi.json").json()
-    assert doc == json.loads(json.dumps(api.openapi())), "the fuzzed schema is not the one the server serves"
-    for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")]:
+    assert doc == json.loads(json.dumps(api.openapi())), (
+        "the fuzzed schema is not the one the server serves"
+    )
+    for path, model in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatRequest"),
+    ]:
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model}"
@@ -84,13 +94,18 @@ def test_fuzz_the_api_from_its_openapi_schema(case, base_url, http):
     try:
         # positive_data_acceptance is left out on purpose: schema-valid bodies naming another
         # model (404), or asking for n > 1, logprobs... (400) are refused by design.
-        response = case.call_and_validate(excluded_checks=[checks.positive_data_acceptance], timeout=60,
-                                         base_url=base_url)
+        response = case.call_and_validate(
+            excluded_checks=[checks.positive_data_acceptance], timeout=60, base_url=base_url
+        )
         TOTALS[f"status {response.status_code}"] += 1
         body = _served_model_variant(case)
         if body is not None:
             TOTALS["engine cases"] += 1
-            r = http.post(case.formatted_path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            r = http.post(
+                case.formatted_path,
+                content=json.dumps(body),
+                headers={"Content-Type": "application/json"},
+            )
             TOTALS[f"engine status {r.status_code}"] += 1
             assert r.status_code < 500, (body, r.text)
             if r.status_code != 200:
@@ -103,7 +118,9 @@ def test_fuzz_the_api_from_its_openapi_schema(case, base_url, http):
 # -------------------------------------------------------------------- targeted bad input
 
 
-def post(http: httpx.Client, body: bytes | dict, path: str = "/v1/completions", **kw) -> httpx.Response:
+def post(
+    http: httpx.Client, body: bytes | dict, path: str = "/v1/completions", **kw
+) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return http.post(path, content=data, headers={"Content-Type": "application/json"}, **kw)
 
@@ -124,7 +141,9 @@ def test_oversized_bodies_are_rejected_early(http):
             yield b"y" * 1024
         yield b'"}'
 
-    r = http.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    r = http.post(
+        "/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert r.request.headers.get("transfer-encoding") == "chunked"
     assert_error(r, 413, "request_too_large")
     # just under the limit is read and judged on its merits
@@ -137,20 +156,48 @@ BAD_BYTES = [
     ("utf8-overlong", b'{"model": "tiny-llama", "prompt": "\xc0\xaf"}', 400, "invalid_json"),
     ("raw-nul-in-string", b'{"model": "tiny-llama", "prompt": "a\x00b"}', 400, "invalid_json"),
     ("lone-surrogate", b'{"model": "tiny-llama", "prompt": "\\ud800"}', 400, "invalid_unicode"),
-    ("lone-surrogate-key", b'{"model": "tiny-llama", "prompt": "a", "\\udfff": 1}', 400, "invalid_unicode"),
-    ("surrogate-in-chat", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udc80"}]}', 400,
-     "invalid_unicode"),
+    (
+        "lone-surrogate-key",
+        b'{"model": "tiny-llama", "prompt": "a", "\\udfff": 1}',
+        400,
+        "invalid_unicode",
+    ),
+    (
+        "surrogate-in-chat",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udc80"}]}',
+        400,
+        "invalid_unicode",
+    ),
     ("deep-array", b"[" * 50_000, 400, "invalid_json"),
-    ("deep-value", b'{"model": "tiny-llama", "prompt": "a", "logit_bias": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
-     400, "invalid_json"),
+    (
+        "deep-value",
+        b'{"model": "tiny-llama", "prompt": "a", "logit_bias": '
+        + b'{"a": ' * 5000
+        + b"1"
+        + b"}" * 5001,
+        400,
+        "invalid_json",
+    ),
     ("empty", b"", 400, "invalid_json"),
     ("not-an-object", b'"hello"', 400, "invalid_json"),
-    ("huge-seed", b'{"model": "tiny-llama", "prompt": "a", "seed": 1180591620717411303424}', 400, "invalid_type"),
-    ("nan-temperature", b'{"model": "tiny-llama", "prompt": "a", "temperature": NaN}', 400, "invalid_type"),
+    (
+        "huge-seed",
+        b'{"model": "tiny-llama", "prompt": "a", "seed": 1180591620717411303424}',
+        400,
+        "invalid_type",
+    ),
+    (
+        "nan-temperature",
+        b'{"model": "tiny-llama", "prompt": "a", "temperature": NaN}',
+        400,
+        "invalid_type",
+    ),
 ]
 
 
-@pytest.mark.parametrize("body,status,code", [b[1:] for b in BAD_BYTES], ids=[b[0] for b in BAD_BYTES])
+@pytest.mark.parametrize(
+    "body,status,code", [b[1:] for b in BAD_BYTES], ids=[b[0] for b in BAD_BYTES]
+)
 def test_malformed_bodies_get_400_and_the_server_lives_on(http, body, status, code):
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     assert_error(post(http, body, path), status, code)
@@ -183,11 +230,18 @@ def test_odd_but_valid_text_and_sampling_are_served(http, extra, stream):
 
 def test_fuzz_totals(request, capsys):
     """Runs after the fuzz test (file order): the numbers the lead reports."""
-    if not any(item.originalname == "test_fuzz_the_api_from_its_openapi_schema" for item in request.session.items):
+    if not any(
+        item.originalname == "test_fuzz_the_api_from_its_openapi_schema"
+        for item in request.session.items
+    ):
         pytest.skip("the schemathesis test was deselected")
     assert TOTALS["cases"] > 0, "the schemathesis test did not run"
     ops = {k: v for k, v in TOTALS.items() if k.startswith(("GET ", "POST "))}
     statuses = {k: v for k, v in sorted(TOTALS.items()) if "status" in k}
-    report(capsys, "fuzz", f"schemathesis: {TOTALS['cases']} cases over {len(ops)} operations {ops}, "
-                    f"{TOTALS['engine cases']} re-sent to the engine; failures: {TOTALS['failures']}; {statuses}")
+    report(
+        capsys,
+        "fuzz",
+        f"schemathesis: {TOTALS['cases']} cases over {len(ops)} operations {ops}, "
+        f"{TOTALS['engine cases']} re-sent to the engine; failures: {TOTALS['failures']}; {statuses}",
+    )
     assert TOTALS["failures"] == 0

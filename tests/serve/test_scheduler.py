@@ -20,7 +20,9 @@ from draftlab.serve.scheduler import Scheduler
 
 @pytest.fixture(scope="module")
 def decoder(tiny):
-    return SpeculativeDecoder(tiny, init_drafter("parallel", tiny, k=4, depth=1, seed=2), load_tree("small-6"))
+    return SpeculativeDecoder(
+        tiny, init_drafter("parallel", tiny, k=4, depth=1, seed=2), load_tree("small-6")
+    )
 
 
 def collect(sched: Scheduler, prompt, params, speculation=None):
@@ -61,8 +63,12 @@ def test_policy_drafts_only_while_it_pays():
     assert p.tau > 6.9 and p.speculate(4)
 
 
-@pytest.mark.parametrize("speculation,max_active", [("on", 16), ("off", 16), ("auto", 2), ("auto", 16)])
-def test_concurrent_requests_equal_target_only(tiny, tiny_prompts, decoder, speculation, max_active):
+@pytest.mark.parametrize(
+    "speculation,max_active", [("on", 16), ("off", 16), ("auto", 2), ("auto", 16)]
+)
+def test_concurrent_requests_equal_target_only(
+    tiny, tiny_prompts, decoder, speculation, max_active
+):
     policy = crossover_policy(decoder.tree.num_nodes + 1)
     sched = Scheduler(decoder, speculation, max_active=max_active, policy=policy)
     params = SamplingParams(max_new_tokens=30)
@@ -133,7 +139,9 @@ def test_a_seed_reproduces_a_sample_whatever_the_load(tiny_prompts, decoder):
     texts = []
     for load in (0, 5):  # alone, then beside 5 greedy requests that push the policy to plain steps
         sched = Scheduler(decoder, "auto", policy=crossover_policy(decoder.tree.num_nodes + 1))
-        others = [collect(sched, tiny_prompts[1], SamplingParams(max_new_tokens=25)) for _ in range(load)]
+        others = [
+            collect(sched, tiny_prompts[1], SamplingParams(max_new_tokens=25)) for _ in range(load)
+        ]
         q, _ = collect(sched, tiny_prompts[0], params)
         texts.append(streamed(drain(q)))
         for oq, _ in others:
@@ -142,10 +150,21 @@ def test_a_seed_reproduces_a_sample_whatever_the_load(tiny_prompts, decoder):
     assert texts[0] == texts[1]
 
 
-@pytest.mark.parametrize("event", [Accepted(prompt_tokens=7), Delta(text="héllo", tokens=3),
-                                   Done(finish_reason="length", stats={"rounds": 2, "tau": 1.5},
-                                        completion_tokens=4, queued_s=0.01),
-                                   Failed("boom"), Failed("too long", status=400, param="prompt", code="context_length_exceeded")])
+@pytest.mark.parametrize(
+    "event",
+    [
+        Accepted(prompt_tokens=7),
+        Delta(text="héllo", tokens=3),
+        Done(
+            finish_reason="length",
+            stats={"rounds": 2, "tau": 1.5},
+            completion_tokens=4,
+            queued_s=0.01,
+        ),
+        Failed("boom"),
+        Failed("too long", status=400, param="prompt", code="context_length_exceeded"),
+    ],
+)
 def test_events_survive_pickling(event):
     """The events cross the Ray actor boundary (engine replica -> ingress) pickled."""
     again = pickle.loads(pickle.dumps(event))

@@ -64,39 +64,78 @@ def deploy(name: str, target: str = TINY, **kw) -> None:
 def engine_replicas(app: str) -> list[str]:
     """Actor names of the app's live DraftEngine replicas (`SERVE_REPLICA::app#DraftEngine#id`)."""
     prefix = f"SERVE_REPLICA::{app}#DraftEngine#"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    )
 
 
 def running(app: str) -> int:
-    return serve.status().applications[app].deployments["DraftEngine"].replica_states.get("RUNNING", 0)
+    return (
+        serve.status().applications[app].deployments["DraftEngine"].replica_states.get("RUNNING", 0)
+    )
 
 
 def _upstream_crash() -> Exception:
     """What Serve's router raises when an actor a request depended on died."""
-    wrapped = RayServeException("Request to deployment 'DraftEngine' failed because an upstream actor died")
+    wrapped = RayServeException(
+        "Request to deployment 'DraftEngine' failed because an upstream actor died"
+    )
     wrapped.__cause__ = ActorDiedError()
     return wrapped
 
 
 LOSSES = [
     ("actor-died", ActorDiedError(), 503, "replica_unavailable", "2"),
-    ("actor-unavailable", ActorUnavailableError("network partition", None), 503, "replica_unavailable", "2"),
+    (
+        "actor-unavailable",
+        ActorUnavailableError("network partition", None),
+        503,
+        "replica_unavailable",
+        "2",
+    ),
     ("ray-actor-error", RayActorError(), 503, "replica_unavailable", "2"),
     ("worker-crashed", WorkerCrashedError(), 503, "replica_unavailable", "2"),
-    ("deployment-unavailable", DeploymentUnavailableError(DeploymentID(name="DraftEngine", app_name="a")), 503,
-     "replica_unavailable", "2"),
+    (
+        "deployment-unavailable",
+        DeploymentUnavailableError(DeploymentID(name="DraftEngine", app_name="a")),
+        503,
+        "replica_unavailable",
+        "2",
+    ),
     ("replica-unavailable", ReplicaUnavailableError("r1"), 503, "replica_unavailable", "2"),
     ("timeout", TimeoutError(), 503, "replica_unavailable", "2"),
-    ("backpressure", BackPressureError(num_queued_requests=9, max_queued_requests=8), 503, "overloaded", "2"),
-    ("backpressure-429", BackPressureError(9, 8, status_code=429, retry_after_s=7.5), 429, "overloaded", "8"),
-    ("task-error-from-death", RayTaskError("generate", "tb", ActorDiedError()), 503, "replica_unavailable", "2"),
+    (
+        "backpressure",
+        BackPressureError(num_queued_requests=9, max_queued_requests=8),
+        503,
+        "overloaded",
+        "2",
+    ),
+    (
+        "backpressure-429",
+        BackPressureError(9, 8, status_code=429, retry_after_s=7.5),
+        429,
+        "overloaded",
+        "8",
+    ),
+    (
+        "task-error-from-death",
+        RayTaskError("generate", "tb", ActorDiedError()),
+        503,
+        "replica_unavailable",
+        "2",
+    ),
     ("upstream-crash", _upstream_crash(), 503, "replica_unavailable", "2"),
     ("a-bug", ValueError("bug"), None, None, None),
     ("a-bug-in-the-replica", RayTaskError("generate", "tb", ValueError("bug")), None, None, None),
 ]
 
 
-@pytest.mark.parametrize("exc,status,code,retry_after", [x[1:] for x in LOSSES], ids=[x[0] for x in LOSSES])
+@pytest.mark.parametrize(
+    "exc,status,code,retry_after", [x[1:] for x in LOSSES], ids=[x[0] for x in LOSSES]
+)
 def test_replica_loss_maps_to_a_retryable_openai_error(exc, status, code, retry_after):
     err = _as_unavailable(exc, retry_after_s=2)
     if status is None:  # anything else stays a 500: a bug must not pass for a retryable blip
@@ -123,8 +162,16 @@ class Outcome:
     events: list = field(default_factory=list)
 
 
-def send(client: httpx.Client, prefix: str, stream: bool, prompt: str, max_tokens: int, model: str = TINY) -> Outcome:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+def send(
+    client: httpx.Client, prefix: str, stream: bool, prompt: str, max_tokens: int, model: str = TINY
+) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     out = Outcome(stream, time.monotonic())
     try:
         with client.stream("POST", f"{prefix}/v1/completions", json=body) as r:
@@ -189,7 +236,9 @@ def test_killed_replica_under_load_fails_fast_and_recovers(base_url, capsys):
         t.start()
     time.sleep(4)  # steady state: every client has finished requests and has one in flight
     with lock:
-        assert outcomes and not any(failed(o) for o in outcomes), [o for o in outcomes if failed(o)][:2]
+        assert outcomes and not any(failed(o) for o in outcomes), [
+            o for o in outcomes if failed(o)
+        ][:2]
 
     handle = ray.get_actor(victim, namespace="serve")
     pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
@@ -204,7 +253,9 @@ def test_killed_replica_under_load_fails_fast_and_recovers(base_url, capsys):
             replaced = time.monotonic() - t_kill
             break
         time.sleep(0.2)
-    assert replaced is not None, f"Serve did not replace the killed replica: {serve.status().applications['faults']}"
+    assert replaced is not None, (
+        f"Serve did not replace the killed replica: {serve.status().applications['faults']}"
+    )
     time.sleep(3)  # the recovered endpoint under load again
     stop.set()
     for t in threads:
@@ -225,11 +276,15 @@ def test_killed_replica_under_load_fails_fast_and_recovers(base_url, capsys):
     assert ok_after, "no request succeeded after the kill"
     recovery = min(ok_after)
     assert recovery < 60
-    report(capsys, "serve-faults", f"SIGKILL of the only engine replica under 4 clients: {len(outcomes)} requests, "
-                    f"{len(bad)} failed with a retryable error ({len(bad) - len(cut)} x 503 + Retry-After, "
-                    f"{len(cut)} streams cut with an SSE error + [DONE]), 0 x 500, 0 hangs; slowest failure "
-                    f"{max(o.end - max(o.start, t_kill) for o in bad):.2f} s after the kill; first success "
-                    f"{recovery:.1f} s after the kill; replacement replica RUNNING after {replaced:.1f} s")
+    report(
+        capsys,
+        "serve-faults",
+        f"SIGKILL of the only engine replica under 4 clients: {len(outcomes)} requests, "
+        f"{len(bad)} failed with a retryable error ({len(bad) - len(cut)} x 503 + Retry-After, "
+        f"{len(cut)} streams cut with an SSE error + [DONE]), 0 x 500, 0 hangs; slowest failure "
+        f"{max(o.end - max(o.start, t_kill) for o in bad):.2f} s after the kill; first success "
+        f"{recovery:.1f} s after the kill; replacement replica RUNNING after {replaced:.1f} s",
+    )
     serve.delete("faults")
 
 
@@ -238,8 +293,9 @@ def long_reference() -> str:
     """What the drained stream must deliver: the 8-token preset has no EOS, so the stream
     runs its full length (one event per token with speculation off: a few seconds)."""
     v8 = load_target(V8)
-    ref = autoregressive_generate(v8, v8.encode_prompt(LONG_PROMPT, chat=False),
-                                  SamplingParams(max_new_tokens=LONG_TOKENS))
+    ref = autoregressive_generate(
+        v8, v8.encode_prompt(LONG_PROMPT, chat=False), SamplingParams(max_new_tokens=LONG_TOKENS)
+    )
     assert len(ref.tokens) == LONG_TOKENS
     return ref.text
 
@@ -253,11 +309,19 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
     prefix, result, first_chunk = f"{base_url}/{app}", {}, threading.Event()
 
     def long_stream():
-        body = {"model": V8, "prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True,
-                "speculation": "off"}
+        body = {
+            "model": V8,
+            "prompt": LONG_PROMPT,
+            "max_tokens": LONG_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            "speculation": "off",
+        }
         events, t0 = [], time.monotonic()
-        with httpx.Client(timeout=CLIENT_TIMEOUT_S * 3) as c, c.stream("POST", f"{prefix}/v1/completions",
-                                                                        json=body) as r:
+        with (
+            httpx.Client(timeout=CLIENT_TIMEOUT_S * 3) as c,
+            c.stream("POST", f"{prefix}/v1/completions", json=body) as r,
+        ):
             result["status"] = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -272,8 +336,14 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
     if how == "delete-app":  # the whole app drains; Serve's proxy drops the route at once
         stopper = threading.Thread(target=serve.delete, args=(app,), daemon=True)
     else:  # new args = a new version: Serve replaces both replicas, the old ones drain
-        stopper = threading.Thread(target=deploy, args=(app,), kwargs=dict(
-            target=V8, graceful_shutdown_timeout_s=60, queue_timeout_s=3, retry_after_s=1), daemon=True)
+        stopper = threading.Thread(
+            target=deploy,
+            args=(app,),
+            kwargs=dict(
+                target=V8, graceful_shutdown_timeout_s=60, queue_timeout_s=3, retry_after_s=1
+            ),
+            daemon=True,
+        )
     stopper.start()
     time.sleep(0.3)
 
@@ -291,9 +361,13 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
     assert result["status"] == 200 and events[-1] == "[DONE]", events[-3:]
     chunks = [json.loads(e) for e in events[:-1]]
     assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == long_reference, "the drained stream lost tokens"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == long_reference, (
+        "the drained stream lost tokens"
+    )
     assert during, "the stream ended before any request was sent during the drain"
-    for o in during:  # promptly: at most a new ingress's start, then the app's queue_timeout_s (3 s)
+    for (
+        o
+    ) in during:  # promptly: at most a new ingress's start, then the app's queue_timeout_s (3 s)
         assert o.exception is None and o.end - o.start < 15, o
         if how == "delete-app":  # the route is gone: Serve's proxy answers 404 (plain text)
             assert o.status in (200, 404), o
@@ -304,6 +378,10 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
     if how == "replace-replicas":
         serve.delete(app)
     codes = dict(sorted(Counter(o.status for o in during).items()))
-    report(capsys, "serve-faults", f"{how} during a {LONG_TOKENS}-token stream: the stream finished intact "
-                   f"({result['seconds']:.1f} s in all, {stopped:.1f} s after the stop began); {len(during)} "
-                   f"requests sent meanwhile got {codes}, slowest {max(o.end - o.start for o in during):.2f} s")
+    report(
+        capsys,
+        "serve-faults",
+        f"{how} during a {LONG_TOKENS}-token stream: the stream finished intact "
+        f"({result['seconds']:.1f} s in all, {stopped:.1f} s after the stop began); {len(during)} "
+        f"requests sent meanwhile got {codes}, slowest {max(o.end - o.start for o in during):.2f} s",
+    )

@@ -27,18 +27,30 @@ from serve_support import local_serve, report  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TARGET, MODEL, KEY, K = "tiny-llama-vllm", "tiny-vllm", "test-key", 3
 startup_s: list[float] = []
-SCHEDULE = [(1, 2, 16), (3, 64, 0)]  # drafting with 1-2 requests in flight, none from 3 (16: vLLM caps it at its K)
+SCHEDULE = [
+    (1, 2, 16),
+    (3, 64, 0),
+]  # drafting with 1-2 requests in flight, none from 3 (16: vLLM caps it at its K)
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    args = VllmServeArgs(target={"name": TARGET}, drafter="init:p-eagle", num_speculative_tokens=K, prompt_lookup="on",
-                         schedule=SCHEDULE,
-                         export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"), served_model_name=MODEL,
-                         api_keys=[KEY], max_model_len=512, gpu_memory_utilization=0.05, enforce_eager=True,
-                         # an explicit KV cache size: with only a share of RAM, vLLM subtracts the worker's
-                         # own RSS (~0.75 GiB) first, which went negative under the full suite
-                         engine_kwargs={"max_num_seqs": 8, "kv_cache_memory_bytes": 256 * 2**20})
+    args = VllmServeArgs(
+        target={"name": TARGET},
+        drafter="init:p-eagle",
+        num_speculative_tokens=K,
+        prompt_lookup="on",
+        schedule=SCHEDULE,
+        export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"),
+        served_model_name=MODEL,
+        api_keys=[KEY],
+        max_model_len=512,
+        gpu_memory_utilization=0.05,
+        enforce_eager=True,
+        # an explicit KV cache size: with only a share of RAM, vLLM subtracts the worker's
+        # own RSS (~0.75 GiB) first, which went negative under the full suite
+        engine_kwargs={"max_num_seqs": 8, "kv_cache_memory_bytes": 256 * 2**20},
+    )
     for url in local_serve():
         t0 = time.perf_counter()
         serve.run(build_vllm_app(args), name="vllm", route_prefix="/")
@@ -53,7 +65,11 @@ def client(base_url):
 
 def test_models_lists_the_served_model(client, capsys):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    report(capsys, "vllm-serve", f"Ray Serve LLM app (vLLM engine, P-EAGLE K={K}) ready in {startup_s[0]:.1f} s")
+    report(
+        capsys,
+        "vllm-serve",
+        f"Ray Serve LLM app (vLLM engine, P-EAGLE K={K}) ready in {startup_s[0]:.1f} s",
+    )
 
 
 def test_engine_drafts_with_the_parallel_drafter_and_prompt_lookups(base_url):
@@ -61,10 +77,16 @@ def test_engine_drafts_with_the_parallel_drafter_and_prompt_lookups(base_url):
     engine = handle.llm_config.remote().result(timeout_s=30).engine_kwargs
     spec, lookups = engine["speculative_config"], engine["additional_config"][LOOKUP_KEY]
     assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True
-    assert engine["scheduler_cls"] == SCHEDULER and lookups["draft_tokens"] == K  # the drafter's K where no copy
-    assert spec["num_speculative_tokens"] == NgramSpec().tokens > K  # room for a copy, which does not grow in vLLM
+    assert (
+        engine["scheduler_cls"] == SCHEDULER and lookups["draft_tokens"] == K
+    )  # the drafter's K where no copy
+    assert (
+        spec["num_speculative_tokens"] == NgramSpec().tokens > K
+    )  # room for a copy, which does not grow in vLLM
     assert lookups["spec"]["grow_to"] == NgramSpec().tokens
-    assert [tuple(r) for r in spec["num_speculative_tokens_per_batch_size"]] == SCHEDULE  # accepted by vLLM
+    assert [
+        tuple(r) for r in spec["num_speculative_tokens_per_batch_size"]
+    ] == SCHEDULE  # accepted by vLLM
 
 
 def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_server(base_url):
@@ -74,8 +96,18 @@ def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_se
     from draftlab.config import LoadtestConfig
     from draftlab.serve.loadtest import run_loadtest
 
-    report = run_loadtest(LoadtestConfig(url=f"{base_url}/v1", api_key=KEY, concurrency=[1, 3], requests=3,
-                                         max_tokens=12, speculation=["server", "off"], warmup=0), progress=False)
+    report = run_loadtest(
+        LoadtestConfig(
+            url=f"{base_url}/v1",
+            api_key=KEY,
+            concurrency=[1, 3],
+            requests=3,
+            max_tokens=12,
+            speculation=["server", "off"],
+            warmup=0,
+        ),
+        progress=False,
+    )
     rows = {(r["concurrency"], r["speculation"]): r for r in report["levels"]}
     assert set(rows) == {(1, "server"), (1, "off"), (3, "server"), (3, "off")}
     for r in rows.values():
@@ -83,15 +115,21 @@ def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_se
 
 
 def test_chat(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0
+    )
     assert r.model == MODEL and r.choices[0].message.role == "assistant"
-    assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
     assert 1 <= r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 1
 
 
 def test_completion(client):
-    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0)
+    r = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0
+    )
     assert r.object == "text_completion" and isinstance(r.choices[0].text, str)
     assert 1 <= r.usage.completion_tokens <= 10
 
@@ -100,14 +138,20 @@ def test_short_sampled_prompt(client):
     """A 2-token prompt: without `draftlab.serve.vllm_plugin` the worker of a tiny model dies of
     SIGILL here (vLLM's AMX attention without Linux's AMX permission) on AMX CPUs."""
     for temperature in (1.0, 0.0):
-        r = client.completions.create(model=MODEL, prompt="hi", max_tokens=6, temperature=temperature, seed=1)
+        r = client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=6, temperature=temperature, seed=1
+        )
         assert 1 <= r.usage.completion_tokens <= 6
 
 
 def test_stream_equals_the_whole_answer(client):
     """Greedy decoding: the streamed chunks join to the non-streamed text."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a poem about the sea."}],
-            "max_tokens": 16, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a poem about the sea."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     whole = client.chat.completions.create(**body).choices[0].message.content
     chunks = list(client.chat.completions.create(**body, stream=True))
     assert len(chunks) > 2
@@ -117,16 +161,26 @@ def test_stream_equals_the_whole_answer(client):
 
 def test_bad_input_is_4xx(client):
     with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"  # OpenAI's shape
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert (
+        e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    )  # OpenAI's shape
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
     with pytest.raises(openai.BadRequestError):  # 512 is the context
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4096)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1)
-    r = httpx.post(f"{client.base_url}chat/completions", json={"model": MODEL}, timeout=30,
-                   headers={"Authorization": f"Bearer {KEY}"})
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
+    r = httpx.post(
+        f"{client.base_url}chat/completions",
+        json={"model": MODEL},
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
 
 
@@ -137,5 +191,7 @@ def test_api_key_is_required(base_url):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30
+    )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

@@ -6,8 +6,18 @@ from draftlab.sweep.report import pareto_front, write_csv, write_plots
 
 
 def _row(k, depth, tree, nodes, speedup, params, **extra):
-    return {"trial": f"k{k}-d{depth}-{tree}", "family": "parallel", "k": k, "depth": depth, "tree": tree,
-            "tree_nodes": nodes, "tau": 1 + speedup / 2, "speedup_vs_ar": speedup, "drafter_parameters": params, **extra}
+    return {
+        "trial": f"k{k}-d{depth}-{tree}",
+        "family": "parallel",
+        "k": k,
+        "depth": depth,
+        "tree": tree,
+        "tree_nodes": nodes,
+        "tau": 1 + speedup / 2,
+        "speedup_vs_ar": speedup,
+        "drafter_parameters": params,
+        **extra,
+    }
 
 
 ROWS = [
@@ -21,7 +31,10 @@ ROWS = [
 
 def test_pareto_front_keeps_only_undominated_trials():
     front = pareto_front(ROWS)
-    assert [(r["drafter_parameters"], r["speedup_vs_ar"]) for r in front] == [(4_000_000, 1.25), (7_600_000, 1.30)]
+    assert [(r["drafter_parameters"], r["speedup_vs_ar"]) for r in front] == [
+        (4_000_000, 1.25),
+        (7_600_000, 1.30),
+    ]
 
 
 def test_csv_is_sorted_by_speedup(tmp_path):
@@ -33,6 +46,11 @@ def test_csv_is_sorted_by_speedup(tmp_path):
 
 def test_plots_are_written_as_png(tmp_path):
     paths = write_plots(ROWS, tmp_path / "plots")
-    assert [p.name for p in paths] == ["speedup_vs_k.png", "speedup_vs_tree_budget.png", "pareto.png", "tau_by_category.png"]
+    assert [p.name for p in paths] == [
+        "speedup_vs_k.png",
+        "speedup_vs_tree_budget.png",
+        "pareto.png",
+        "tau_by_category.png",
+    ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

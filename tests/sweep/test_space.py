@@ -31,7 +31,9 @@ def _write(tmp_path, **doc) -> Path:
 def test_shipped_sweeps_validate(path):
     sweep, base = load_sweep(path)
     assert path.read_text().startswith("# draftlab sweep -c sweeps/")
-    if path.name == "smollm2-135m-cpu.yaml":  # the embedded default: >= 8 trained configs x >= 4 trees
+    if (
+        path.name == "smollm2-135m-cpu.yaml"
+    ):  # the embedded default: >= 8 trained configs x >= 4 trees
         trained = 1
         for dim in sweep.space.values():
             trained *= len(dim)
@@ -42,7 +44,10 @@ def test_shipped_sweeps_validate(path):
     ("doc", "msg"),
     [
         ({"space": {"drafter.kk": [2, 3]}}, "drafter.kk"),
-        ({"space": {"drafter.family": ["medusa"]}}, "unknown drafter family 'medusa' (allowed: autoregressive, p-eagle, parallel)"),
+        (
+            {"space": {"drafter.family": ["medusa"]}},
+            "unknown drafter family 'medusa' (allowed: autoregressive, p-eagle, parallel)",
+        ),
         ({"space": {"train.lr": {"loguniform": [1e-4, 1e-3]}}}, "grid search needs a list"),
         ({"space": {"train.lr": {"normal": [0, 1]}}}, "uniform"),
         ({"space": {"drafter.k": []}}, "empty"),
@@ -54,7 +59,10 @@ def test_shipped_sweeps_validate(path):
         ({"colour": "blue"}, "colour: unknown key"),
         ({"space": {"data.max_new_tokens": [64, 96]}}, "trials share one target, dataset"),
         ({"asha": {"reduction_factor": 1}}, "asha.reduction_factor"),
-        ({"objective": "vllm", "trees": ["chain", "searched-4"]}, "objective vllm measures chains only"),
+        (
+            {"objective": "vllm", "trees": ["chain", "searched-4"]},
+            "objective vllm measures chains only",
+        ),
         ({"objective": "sglang"}, "objective"),
     ],
 )
@@ -71,9 +79,20 @@ def test_a_tree_may_verify_part_of_itself_per_round(tmp_path):
 
 
 def test_tune_space_grid_and_random(tmp_path):
-    grid, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4]}, trees=["chain", "searched-8"]))
-    assert param_space(grid) == {"drafter.k": tune.grid_search([2, 4]), "tree": tune.grid_search(["chain", "searched-8"])}
-    rnd, _ = load_sweep(_write(tmp_path, space={"train.lr": {"loguniform": [1e-4, 1e-2]}}, search={"algorithm": "random", "num_samples": 4}))
+    grid, _ = load_sweep(
+        _write(tmp_path, space={"drafter.k": [2, 4]}, trees=["chain", "searched-8"])
+    )
+    assert param_space(grid) == {
+        "drafter.k": tune.grid_search([2, 4]),
+        "tree": tune.grid_search(["chain", "searched-8"]),
+    }
+    rnd, _ = load_sweep(
+        _write(
+            tmp_path,
+            space={"train.lr": {"loguniform": [1e-4, 1e-2]}},
+            search={"algorithm": "random", "num_samples": 4},
+        )
+    )
     lr = param_space(rnd)["train.lr"]
     assert isinstance(lr, tune.search.sample.Float) and lr.lower == 1e-4 and lr.upper == 1e-2
 
@@ -87,14 +106,20 @@ def test_the_base_is_composed_from_the_document_read_once(tmp_path):
     before = yaml.safe_load(yaml.safe_dump(doc))
     assert sweep_base(sweep, doc, Path(sweep.base), str(path)) == base and doc == before
     assert base["train"]["lr"] == 0.01 != doc["train"].get("lr")
-    with pytest.raises(ConfigError, match=re.escape(f"{path}: space.drafter.k=0 (base {sweep.base}):")):
-        sweep_base(sweep.model_copy(update={"space": {"drafter.k": [0]}}), doc, Path(sweep.base), str(path))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{path}: space.drafter.k=0 (base {sweep.base}):")
+    ):
+        sweep_base(
+            sweep.model_copy(update={"space": {"drafter.k": [0]}}), doc, Path(sweep.base), str(path)
+        )
 
 
 def test_training_key_ignores_tree_bench_and_names(tmp_path):
     _, base = load_sweep(_write(tmp_path))
     a = trial_config(base, {"drafter.k": 3}, name="trial-a")
-    b = trial_config(base, {"drafter.k": 3, "bench.tree": "small-6", "bench.limit": 2}, name="trial-b")
+    b = trial_config(
+        base, {"drafter.k": 3, "bench.tree": "small-6", "bench.limit": 2}, name="trial-b"
+    )
     assert training_key(a) == training_key(b)  # same drafter: train once, evaluate many
     assert training_key(trial_config(base, {"drafter.k": 4})) != training_key(a)
     assert training_key(trial_config(base, {"drafter.k": 3, "train.lr": 5e-4})) != training_key(a)
@@ -116,14 +141,26 @@ def test_search_setup_grid_random_optuna(tmp_path):
 
     grid, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4]}))
     assert search_setup(grid, concurrency=4) == (None, 1)
-    rnd, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4]}, search={"algorithm": "random"}))
-    assert search_setup(rnd, concurrency=8) == (None, 16)  # num_samples unset: two waves of the cluster
-    opt, _ = load_sweep(_write(tmp_path, space={"drafter.k": [2, 4], "train.lr": {"loguniform": [1e-4, 1e-2]}},
-                               trees=["chain", "searched-8"], search={"algorithm": "optuna", "num_samples": 3}))
+    rnd, _ = load_sweep(
+        _write(tmp_path, space={"drafter.k": [2, 4]}, search={"algorithm": "random"})
+    )
+    assert search_setup(rnd, concurrency=8) == (
+        None,
+        16,
+    )  # num_samples unset: two waves of the cluster
+    opt, _ = load_sweep(
+        _write(
+            tmp_path,
+            space={"drafter.k": [2, 4], "train.lr": {"loguniform": [1e-4, 1e-2]}},
+            trees=["chain", "searched-8"],
+            search={"algorithm": "optuna", "num_samples": 3},
+        )
+    )
     alg, n = search_setup(opt, concurrency=1)
     assert isinstance(alg, OptunaSearch) and n == 3
-    assert alg.set_search_properties(None, None, param_space(opt))  # Tune's space converts to Optuna's
+    assert alg.set_search_properties(
+        None, None, param_space(opt)
+    )  # Tune's space converts to Optuna's
     suggested = alg.suggest("trial-1")
     assert suggested["drafter.k"] in (2, 4) and 1e-4 <= suggested["train.lr"] <= 1e-2
     assert suggested["tree"] in ("chain", "searched-8")
-

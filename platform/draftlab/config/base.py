@@ -17,7 +17,9 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=False, validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 def unset(value) -> bool:
@@ -35,11 +37,15 @@ def _section(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | Non
         ann = model.model_fields[part].annotation
         candidates = [ann, *get_args(ann)]
         candidates += [a for c in list(candidates) for a in get_args(c)]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
     return model
 
 
-def format_validation_error(err: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
+def format_validation_error(
+    err: ValidationError, source: str, model: type[BaseModel] | None = None
+) -> str:
     """One line per problem: `source: field.path: message`; an unknown key lists the keys
     its section allows (when `model` is given), a bad choice the allowed values."""
     lines = [f"invalid configuration in {source}:"]
@@ -48,7 +54,9 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             section = _section(model, e["loc"][:-1])
-            msg = "unknown key" + (f" (allowed: {', '.join(section.model_fields)})" if section else "")
+            msg = "unknown key" + (
+                f" (allowed: {', '.join(section.model_fields)})" if section else ""
+            )
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 

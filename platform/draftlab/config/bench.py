@@ -43,7 +43,9 @@ class VllmBenchSpec(StrictModel):
     @model_validator(mode="after")
     def _ngram_range(self) -> VllmBenchSpec:
         if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
+            )
         return self
 
 
@@ -94,10 +96,29 @@ class BenchConfig(StrictModel):
     """Seed for sampling and for `init:` drafter weights."""
     warmup: int = Field(1, ge=0)
     """Untimed prompts run per method before timing."""
-    methods: list[Literal["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree",
-                          "draftlab_chain_ngram", "draftlab_tree_ngram",
-                          "vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]] = Field(
-        default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
+    methods: list[
+        Literal[
+            "ar",
+            "hf_generate",
+            "hf_prompt_lookup",
+            "draftlab_chain",
+            "draftlab_tree",
+            "draftlab_chain_ngram",
+            "draftlab_tree_ngram",
+            "vllm_ar",
+            "vllm_ngram",
+            "vllm_suffix",
+            "vllm_draftlab",
+            "vllm_draftlab_ngram",
+        ]
+    ] = Field(
+        default_factory=lambda: [
+            "ar",
+            "hf_generate",
+            "hf_prompt_lookup",
+            "draftlab_chain",
+            "draftlab_tree",
+        ]
     )
     """Which methods to run; `ar` is always run because every speedup is relative to it, and
     `vllm_ar` whenever another `vllm_*` method is (vLLM target-only, for `speedup_vs_vllm_ar`
@@ -138,7 +159,9 @@ class BenchConfig(StrictModel):
     @classmethod
     def _saved_and_distinct(cls, versus: list[str]) -> list[str]:
         if untrained := [v for v in versus if v.startswith("init:")]:
-            raise ValueError(f"{untrained[0]}: versus takes saved drafters (an init: drafter has no tree of its own)")
+            raise ValueError(
+                f"{untrained[0]}: versus takes saved drafters (an init: drafter has no tree of its own)"
+            )
         if len(set(versus)) < len(versus):
             raise ValueError(f"a drafter is named twice: {versus}")
         return versus
@@ -177,7 +200,16 @@ class DoctorConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the checks run. `auto` = cuda when available, else cpu."""
     checks: list[DoctorCheck] = Field(
-        default_factory=lambda: ["env", "identity", "verify", "decode", "profile", "search", "train"])
+        default_factory=lambda: [
+            "env",
+            "identity",
+            "verify",
+            "decode",
+            "profile",
+            "search",
+            "train",
+        ]
+    )
     """Which checks to run, in this order."""
     target: str | None = None
     """A local HF model directory (or preset) checked instead of the random-weight shapes."""
@@ -187,10 +219,14 @@ class DoctorConfig(StrictModel):
     speed_shape: str | None = None
     """Shape of the verify, decode, profile and search checks' target. Default: `tiny` on a CPU,
     `llama-3.1-8b` on CUDA."""
-    dtypes: list[Literal["float32", "bfloat16"]] = Field(default_factory=lambda: ["bfloat16", "float32"])
+    dtypes: list[Literal["float32", "bfloat16"]] = Field(
+        default_factory=lambda: ["bfloat16", "float32"]
+    )
     """Target dtypes the identity check runs (the speed checks use the device's own: bf16 on
     CUDA)."""
-    attentions: list[Literal["row-exact", "fused"]] = Field(default_factory=lambda: ["fused", "row-exact"])
+    attentions: list[Literal["row-exact", "fused"]] = Field(
+        default_factory=lambda: ["fused", "row-exact"]
+    )
     """Verify attentions the identity check runs."""
     trees: list[str] = Field(default_factory=lambda: ["chain-4", "default", "wide-16"])
     """Trees the identity check verifies (`chain-<n>`, a preset or a JSON file of rank paths)."""

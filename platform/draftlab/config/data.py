@@ -11,8 +11,22 @@ from draftlab.config.base import StrictModel, unset
 from draftlab.config.target import gated_hub_repo
 
 MAGPIE_SEEDS = (
-    "", "Write a", "Explain", "How do I", "What is", "Can you help me", "Write a Python function",
-    "Solve", "Translate", "Summarize", "Give me", "Why", "Compare", "List", "Describe", "Imagine you are",
+    "",
+    "Write a",
+    "Explain",
+    "How do I",
+    "What is",
+    "Can you help me",
+    "Write a Python function",
+    "Solve",
+    "Translate",
+    "Summarize",
+    "Give me",
+    "Why",
+    "Compare",
+    "List",
+    "Describe",
+    "Imagine you are",
 )
 
 

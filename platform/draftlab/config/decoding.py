@@ -76,5 +76,7 @@ class NgramSpec(StrictModel):
     @model_validator(mode="after")
     def _match_range(self) -> NgramSpec:
         if self.min_match > self.max_match:
-            raise ValueError(f"min_match ({self.min_match}) must be <= max_match ({self.max_match})")
+            raise ValueError(
+                f"min_match ({self.min_match}) must be <= max_match ({self.max_match})"
+            )
         return self

@@ -41,7 +41,9 @@ class DrafterSpec(StrictModel):
     @classmethod
     def _known_family(cls, family: str) -> str:
         if family not in available_drafters():
-            raise ValueError(f"unknown drafter family {family!r} (allowed: {', '.join(available_drafters())})")
+            raise ValueError(
+                f"unknown drafter family {family!r} (allowed: {', '.join(available_drafters())})"
+            )
         return family
 
 
@@ -178,7 +180,9 @@ class BenchSpec(StrictModel):
     name, `chain-<k>`, or a JSON file of rank paths. A `+ngram` suffix (`searched+ngram`)
     grafts prompt-lookup drafts onto it each round (decoding/ngram.py); `searched+ngram`
     scores every candidate with those lookups (distill/replay.py)."""
-    search_budgets: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16], min_length=1)
+    search_budgets: list[int] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16], min_length=1
+    )
     """`searched`: node budgets whose optimal trees are compared."""
     search_ranks: int = Field(4, ge=1, le=16)
     """`searched`: top-R drafter tokens per depth that tree nodes may use."""

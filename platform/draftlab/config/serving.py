@@ -105,7 +105,9 @@ class ServingCommon(StrictModel):
             try:
                 lines = Path(self.api_keys_file).expanduser().read_text().splitlines()
             except OSError as e:
-                raise ConfigError(f"api_keys_file {self.api_keys_file!r} cannot be read: {e.strerror}") from None
+                raise ConfigError(
+                    f"api_keys_file {self.api_keys_file!r} cannot be read: {e.strerror}"
+                ) from None
             keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
         return keys
 
@@ -151,7 +153,9 @@ class LoadtestConfig(StrictModel):
     requests: int | None = Field(None, ge=1)
     """Requests per level (and mode), prompts cycled; None = max(prompts, 2 x concurrency): every
     prompt at least once, so each kind is measured at every level (`by_kind`)."""
-    speculation: list[Literal["server", "on", "off"]] = Field(default_factory=lambda: ["server"], min_length=1)
+    speculation: list[Literal["server", "on", "off"]] = Field(
+        default_factory=lambda: ["server"], min_length=1
+    )
     """Modes compared level by level in one run: `server` = its policy; `on`/`off` force
     drafting per request (draftlab's `speculation` extension field)."""
     prompts: str | None = None

@@ -26,7 +26,6 @@ def gated_hub_repo(name: str | None, gated: bool | None) -> str | None:
     return name if (gated if gated is not None else name.startswith(GATED_ORGS)) else None
 
 
-
 class TargetSpec(StrictModel):
     """Which frozen target LM to load and how."""
 

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 """Bump when the stored columns or their meaning change: old caches are then ignored."""
 
+
 def _source_stamp(source: PromptSourceConfig) -> list | None:
     """Sizes and mtimes of a local source file/dir, so editing it invalidates the cache."""
     if source.kind != "dataset" or not source.path:
@@ -63,18 +64,24 @@ def _source_stamp(source: PromptSourceConfig) -> list | None:
 
 def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
     """Everything that determines the generated samples (see the module docstring)."""
-    return {
-        "format": FORMAT_VERSION,
-        "target": target_fingerprint,
-        "source": data.source.model_dump(mode="json"),
-        "source_files": _source_stamp(data.source),
-        "max_new_tokens": data.max_new_tokens,
-        "temperature": data.temperature,
-        "top_p": data.top_p,
-        "store_features": data.store_features,
-        "eval_fraction": data.eval_fraction,
-    } | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {}) | (  # older keys stay valid
-        {"generator": data.generator, "prompt_generator": data.prompt_generator} if writers(data) != {"hf"} else {}
+    return (
+        {
+            "format": FORMAT_VERSION,
+            "target": target_fingerprint,
+            "source": data.source.model_dump(mode="json"),
+            "source_files": _source_stamp(data.source),
+            "max_new_tokens": data.max_new_tokens,
+            "temperature": data.temperature,
+            "top_p": data.top_p,
+            "store_features": data.store_features,
+            "eval_fraction": data.eval_fraction,
+        }
+        | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {})
+        | (  # older keys stay valid
+            {"generator": data.generator, "prompt_generator": data.prompt_generator}
+            if writers(data) != {"hf"}
+            else {}
+        )
     )
 
 
@@ -120,7 +127,9 @@ def exclusive(root: Path) -> Iterator[None]:
         lock.release()
 
 
-def save_atomic(ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: dict | None = None) -> None:
+def save_atomic(
+    ds: datasets.Dataset | datasets.DatasetDict, dest: Path, extra: dict | None = None
+) -> None:
     """`save_to_disk` into a temp dir beside `dest`, add `extra` json files, then os.replace.
 
     A reader sees the whole directory or none. If `dest` appeared meanwhile (a retried or
@@ -179,7 +188,9 @@ def stored_prompts(data: DataConfig, target_fingerprint: str) -> PromptList | No
     if path.is_file():
         saved = json.loads(path.read_text())
         return PromptList(saved["prompts"], saved["consumed"])
-    legacy = cache_root(data) / "prompts" / f"{_digest(_prompt_inputs(data, target_fingerprint))}.json"
+    legacy = (
+        cache_root(data) / "prompts" / f"{_digest(_prompt_inputs(data, target_fingerprint))}.json"
+    )
     if legacy.is_file():
         prompts = json.loads(legacy.read_text())
         if len(prompts) == data.source.num_prompts:
@@ -195,7 +206,12 @@ def save_prompts(data: DataConfig, target_fingerprint: str, prompts: PromptList)
 
 
 def reuse_donor_shards(
-    root: Path, todo: list[int], prompts: list[str], shard_size: int, data: DataConfig, target_fingerprint: str,
+    root: Path,
+    todo: list[int],
+    prompts: list[str],
+    shard_size: int,
+    data: DataConfig,
+    target_fingerprint: str,
     progress: bool = True,
 ) -> tuple[list[int], dict | None]:
     """Write the shards of `todo` that another cached dataset already answered; return the
@@ -219,18 +235,31 @@ def reuse_donor_shards(
     rows = datasets.concatenate_datasets(list(dsd.values()))
     row_of = {prompt: i for i, prompt in enumerate(rows["prompt"])}
     missing = sum(p not in row_of for p in prompts[:covered])
-    if missing > meta["num_dropped_empty"]:  # more than its empty responses: another stream after all
-        logger.warning("cached dataset %s lacks %d of the first %d prompts; not reused", path, missing, covered)
+    if (
+        missing > meta["num_dropped_empty"]
+    ):  # more than its empty responses: another stream after all
+        logger.warning(
+            "cached dataset %s lacks %d of the first %d prompts; not reused", path, missing, covered
+        )
         return todo, None
-    for i in tqdm(sorted(reuse), desc=f"shards from {meta['key']}", unit="shard", disable=not progress):
+    for i in tqdm(
+        sorted(reuse), desc=f"shards from {meta['key']}", unit="shard", disable=not progress
+    ):
         shard = [row_of[p] for p in prompts[i * shard_size : (i + 1) * shard_size] if p in row_of]
         save_atomic(rows.select(shard), shard_dir(root / "work", i))
-    logger.info("reused %d of %d shards to generate from the cached dataset %s (%d prompts)",
-                len(reuse), len(todo), path, meta["num_prompts"])
+    logger.info(
+        "reused %d of %d shards to generate from the cached dataset %s (%d prompts)",
+        len(reuse),
+        len(todo),
+        path,
+        meta["num_prompts"],
+    )
     return [i for i in todo if i not in reuse], {"key": meta["key"], "shards": len(reuse)}
 
 
-def _best_donor(root: Path, data: DataConfig, target_fingerprint: str, shard_size: int) -> tuple[Path, dict] | None:
+def _best_donor(
+    root: Path, data: DataConfig, target_fingerprint: str, shard_size: int
+) -> tuple[Path, dict] | None:
     """The finished dataset of the same stream with the most prompts (see `reuse_donor_shards`)."""
     inputs = key_inputs(data, target_fingerprint)
     want = inputs | {"source": _without_count(inputs["source"])}

@@ -46,13 +46,21 @@ def concat_shards(work: Path, num_shards: int) -> datasets.Dataset:
     shards = [datasets.load_from_disk(str(shard_dir(work, i))) for i in range(num_shards)]
     ds = datasets.concatenate_datasets(shards)  # memory-mapped, in prompt order
     if ds.num_rows == 0:
-        raise ValueError(f"self-distillation produced no samples (every response was empty); see {work}")
+        raise ValueError(
+            f"self-distillation produced no samples (every response was empty); see {work}"
+        )
     return ds
 
 
 def dataset_meta(
-    ds: datasets.Dataset, dsd: datasets.DatasetDict, data: DataConfig, target_spec: TargetSpec,
-    fingerprint: str, num_prompts: int, shard_size: int, reused: dict | None,
+    ds: datasets.Dataset,
+    dsd: datasets.DatasetDict,
+    data: DataConfig,
+    target_spec: TargetSpec,
+    fingerprint: str,
+    num_prompts: int,
+    shard_size: int,
+    reused: dict | None,
 ) -> dict:
     """`meta.json`: the key and its inputs, the target, the shard plan, and the counts."""
     prompt_tokens, response_tokens = token_counts(ds)

@@ -63,9 +63,15 @@ def open_writer(data: DataConfig, target, generator: str) -> contextlib.Abstract
     # Room for the longest chat-formatted prompt plus its response: prompts are cut to
     # max_prompt_tokens of text, the chat template adds its header and system turn.
     length = data.source.max_prompt_tokens + data.max_new_tokens + 256
-    return VllmEngine(vllm_target_dir(target), dtype=target.dtype, max_model_len=length,
-                      memory_fraction=data.vllm_memory_fraction, max_num_seqs=data.batch_size, reserved_cpus=0,
-                      memory_setting="data.vllm_memory_fraction")
+    return VllmEngine(
+        vllm_target_dir(target),
+        dtype=target.dtype,
+        max_model_len=length,
+        memory_fraction=data.vllm_memory_fraction,
+        max_num_seqs=data.batch_size,
+        reserved_cpus=0,
+        memory_setting="data.vllm_memory_fraction",
+    )
 
 
 @torch.inference_mode()
@@ -78,21 +84,31 @@ def generate_responses(
     eos = sorted(target.eos_token_ids)
     if writer is not None:
         seeds = [seed + i for i in range(len(prompt_ids))] if data.temperature > 0 else None
-        rows = writer.generate_many(prompt_ids, data.max_new_tokens, temperature=data.temperature, top_p=data.top_p,
-                                    seeds=seeds, stop_token_ids=eos)
+        rows = writer.generate_many(
+            prompt_ids,
+            data.max_new_tokens,
+            temperature=data.temperature,
+            top_p=data.top_p,
+            seeds=seeds,
+            stop_token_ids=eos,
+        )
     else:
         rows = _hf_responses(target, prompt_ids, data, seed, eos)
     stop = set(eos)
     return [_cut_after_eos(r, stop) for r in rows]
 
 
-def _hf_responses(target, prompt_ids: list[list[int]], data: DataConfig, seed: int, eos: list[int]) -> list[list[int]]:
+def _hf_responses(
+    target, prompt_ids: list[list[int]], data: DataConfig, seed: int, eos: list[int]
+) -> list[list[int]]:
     """HF `generate`'s new ids per prompt (padding after EOS included), left-padded batches."""
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     mode = {}
     if data.temperature > 0:  # our sampler in the greedy loop: fast on CPU
-        mode = dict(logits_processor=LogitsProcessorList([TopKTopPSampler(data.temperature, data.top_p)]))
+        mode = dict(
+            logits_processor=LogitsProcessorList([TopKTopPSampler(data.temperature, data.top_p)])
+        )
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
     rows: list[list[int]] = []
     for start in range(0, len(prompt_ids), data.batch_size):
@@ -119,7 +135,9 @@ def _hf_responses(target, prompt_ids: list[list[int]], data: DataConfig, seed: i
 
 
 @torch.inference_mode()
-def target_features(target, sequences: list[list[int]], batch_size: int, aux_layers: list[int]) -> list[np.ndarray]:
+def target_features(
+    target, sequences: list[list[int]], batch_size: int, aux_layers: list[int]
+) -> list[np.ndarray]:
     """The target's features (`Target.features`: the states after `aux_layers`, then the
     last hidden state, as `Target.forward` returns them) for every position of each
     sequence, as float16 arrays of shape (T, (len(aux_layers) + 1) * H).
@@ -133,17 +151,23 @@ def target_features(target, sequences: list[list[int]], batch_size: int, aux_lay
     out: list[np.ndarray | None] = [None] * len(sequences)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        ids = torch.full((len(chunk), max(len(sequences[i]) for i in chunk)), pad, dtype=torch.long)  # (B, W)
+        ids = torch.full(
+            (len(chunk), max(len(sequences[i]) for i in chunk)), pad, dtype=torch.long
+        )  # (B, W)
         for row, i in enumerate(chunk):
             ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-        hidden = target.run_decoder(tuple(aux_layers), input_ids=ids.to(target.device), use_cache=False)  # (B, W, F)
+        hidden = target.run_decoder(
+            tuple(aux_layers), input_ids=ids.to(target.device), use_cache=False
+        )  # (B, W, F)
         hidden = hidden.float().clamp(-_FP16_MAX, _FP16_MAX).half().cpu()
         for row, i in enumerate(chunk):
             out[i] = hidden[row, : len(sequences[i])].numpy()  # (T, F)
     return out
 
 
-def build_shard(target, prompts: list[str], data: DataConfig, seed: int, writer=None) -> datasets.Dataset:
+def build_shard(
+    target, prompts: list[str], data: DataConfig, seed: int, writer=None
+) -> datasets.Dataset:
     """Generate (`writer`: see `generate_responses`), cut and (optionally) featurise one
     shard; empty responses are dropped."""
     prompt_ids = [target.encode_prompt(p) for p in prompts]
@@ -180,7 +204,9 @@ class ShardGenerator:
         self.work_dir = Path(work_dir)
         self.target = load_target(TargetSpec.model_validate(target_spec))
         self._stack = contextlib.ExitStack()
-        self.writer = self._stack.enter_context(open_writer(self.data, self.target, self.data.generator))
+        self.writer = self._stack.enter_context(
+            open_writer(self.data, self.target, self.data.generator)
+        )
 
     def __del__(self):
         stack = getattr(self, "_stack", None)
@@ -193,8 +219,13 @@ class ShardGenerator:
         dest = shard_dir(self.work_dir, index)
         t0 = time.perf_counter()
         if not dest.is_dir():  # a retried task may find its shard already saved
-            ds = build_shard(self.target, prompts, self.data, seed=self.data.source.seed * 1_000_003 + index,
-                             writer=self.writer)
+            ds = build_shard(
+                self.target,
+                prompts,
+                self.data,
+                seed=self.data.source.seed * 1_000_003 + index,
+                writer=self.writer,
+            )
             save_atomic(ds, dest)
         ds = datasets.load_from_disk(str(dest))
         return {

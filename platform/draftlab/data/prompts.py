@@ -26,21 +26,33 @@ class Prompt:
     id: str
     text: str  # the last user turn
     category: str = "default"
-    turns: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat, the last a user turn
+    turns: tuple[
+        tuple[str, str], ...
+    ] = ()  # (role, content) of a multi-turn chat, the last a user turn
 
     @property
     def messages(self) -> list[dict]:
         """The chat as OpenAI messages (one user turn for a plain prompt)."""
-        return [{"role": r, "content": c} for r, c in self.turns] or [{"role": "user", "content": self.text}]
+        return [{"role": r, "content": c} for r, c in self.turns] or [
+            {"role": "user", "content": self.text}
+        ]
 
 
 def _messages(value: object, where: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        raise ValueError(
+            f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects"
+        )
     turns = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': str}}")
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ROLES
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': str}}"
+            )
         turns.append((m["role"], m["content"]))
     if turns[-1][0] != "user":
         raise ValueError(f"{where}: the last message must be a user turn (the one to answer)")
@@ -62,7 +74,9 @@ def _parse(row: object, where: str) -> Prompt:
             raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
         text = turns[0]
     else:
-        raise ValueError(f"{where}: needs a 'prompt', chat 'messages' or Spec-Bench 'turns' (keys found: {sorted(row)})")
+        raise ValueError(
+            f"{where}: needs a 'prompt', chat 'messages' or Spec-Bench 'turns' (keys found: {sorted(row)})"
+        )
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: the prompt text must be a non-empty string")
     category = row.get("category", "default")
@@ -79,24 +93,35 @@ def _from_datasets(source: str, limit: int | None) -> list[Prompt]:
     import datasets  # noqa: PLC0415 -- heavy; only for this source
 
     spec = source.removeprefix(DATASETS)
-    name, _, split = spec.rpartition(":") if spec.count(":") and not Path(spec).exists() else (spec, "", "")
+    name, _, split = (
+        spec.rpartition(":") if spec.count(":") and not Path(spec).exists() else (spec, "", "")
+    )
     name, split = name or spec, split or "train"
     local = Path(name)
     try:
         if local.is_file():  # a local file: datasets' builder by extension
-            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(local.suffix)
+            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
+                local.suffix
+            )
             if kind is None:
                 raise ValueError(f"unknown file type {local.suffix!r} (jsonl, json, parquet, csv)")
             ds = datasets.load_dataset(kind, data_files=str(local), split=split)
-        elif local.is_dir() and (local / "dataset_info.json").is_file():  # `save_to_disk` output of one split
+        elif (
+            local.is_dir() and (local / "dataset_info.json").is_file()
+        ):  # `save_to_disk` output of one split
             ds = datasets.load_from_disk(str(local))
         else:
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot read this source"
-        raise ValueError(f"prompts {source!r}: cannot load it with datasets ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"prompts {source!r}: cannot load it with datasets ({type(e).__name__}: {e})"
+        ) from None
     rows = ds.select(range(min(limit, len(ds)))) if limit else ds
     # a table has every column in every row: a None is a column this row does not use
-    out = [_parse({k: v for k, v in row.items() if v is not None}, f"{source}[{i}]") for i, row in enumerate(rows)]
+    out = [
+        _parse({k: v for k, v in row.items() if v is not None}, f"{source}[{i}]")
+        for i, row in enumerate(rows)
+    ]
     if not out:
         raise ValueError(f"prompts {source!r}: no rows")
     return out
@@ -117,7 +142,9 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     if not path.is_file() and (PROMPT_SETS / f"{path}.jsonl").is_file():
         path = PROMPT_SETS / f"{path}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path} (packaged sets: {', '.join(available_prompt_sets())})")
+        raise FileNotFoundError(
+            f"prompt file not found: {path} (packaged sets: {', '.join(available_prompt_sets())})"
+        )
     prompts = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():

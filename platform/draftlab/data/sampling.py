@@ -29,7 +29,9 @@ class TopKTopPSampler(LogitsProcessor):
 
     def candidates(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, V) scores -> token ids (B, k) and their probabilities (B, k) (rows sum to 1)."""
-        top = (scores.float() / self.temperature).topk(min(self.top_k, scores.shape[-1]), dim=-1)  # descending
+        top = (scores.float() / self.temperature).topk(
+            min(self.top_k, scores.shape[-1]), dim=-1
+        )  # descending
         probs = top.values.softmax(-1)  # (B, k)
         before = probs.cumsum(-1) - probs  # mass of the higher tokens
         probs = torch.where(before < self.top_p, probs, torch.zeros_like(probs))  # the nucleus

@@ -47,7 +47,9 @@ from draftlab.models.target import describe_target, load_target
 logger = logging.getLogger(__name__)
 
 
-def _prompts_and_plan(work: Path, data: DataConfig, target, spec: TargetSpec, progress: bool) -> tuple[list[str], int]:
+def _prompts_and_plan(
+    work: Path, data: DataConfig, target, spec: TargetSpec, progress: bool
+) -> tuple[list[str], int]:
     """Prompts and shard size: read back from `work/prompts.json`, or made and recorded.
 
     A resumed run keeps the recorded shard size even if `data.shard_size` changed, so the
@@ -58,7 +60,9 @@ def _prompts_and_plan(work: Path, data: DataConfig, target, spec: TargetSpec, pr
         saved = json.loads(plan.read_text())
         if saved["shard_size"] != data.shard_size:
             logger.info(
-                "resuming with the recorded shard_size=%d (config says %d)", saved["shard_size"], data.shard_size
+                "resuming with the recorded shard_size=%d (config says %d)",
+                saved["shard_size"],
+                data.shard_size,
             )
         return saved["prompts"], saved["shard_size"]
     prompts = _cached_prompts(data, target, spec, progress)
@@ -78,26 +82,51 @@ def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) 
     start = cached if cached is not None and cached.consumed is not None else None
     writes = data.source.kind == "magpie"  # the target writes magpie prompts
     if writes:
-        target = load_target(spec if spec.device == "cpu" or torch.cuda.is_available() else spec.model_copy(update={"device": "cpu"}))
-    with open_writer(data, target, data.prompt_generator) if writes else contextlib.nullcontext(None) as writer:
-        got = sources.collect_prompts(data.source, target, progress=progress, magpie_batch_size=data.batch_size,
-                              writer=writer, start=start)
+        target = load_target(
+            spec
+            if spec.device == "cpu" or torch.cuda.is_available()
+            else spec.model_copy(update={"device": "cpu"})
+        )
+    with (
+        open_writer(data, target, data.prompt_generator)
+        if writes
+        else contextlib.nullcontext(None) as writer
+    ):
+        got = sources.collect_prompts(
+            data.source,
+            target,
+            progress=progress,
+            magpie_batch_size=data.batch_size,
+            writer=writer,
+            start=start,
+        )
     save_prompts(data, target.fingerprint, got)
     return got.prompts
 
 
 def _run_shards(
-    todo: list[int], prompts: list[str], shard_size: int, num_shards: int,
-    data: DataConfig, target_spec: TargetSpec, work: Path, progress: bool,
+    todo: list[int],
+    prompts: list[str],
+    shard_size: int,
+    num_shards: int,
+    data: DataConfig,
+    target_spec: TargetSpec,
+    work: Path,
+    progress: bool,
 ) -> None:
     """Generate the shards in `todo` with a Ray Data actor pool on the current Ray instance."""
     if not ray.is_initialized():
         ray.init()
     rows = [{"shard": i, "prompts": prompts[i * shard_size : (i + 1) * shard_size]} for i in todo]
     ctx = ray.data.DataContext.get_current()
-    ray_bars, ctx.enable_progress_bars = ctx.enable_progress_bars, not progress  # ours replaces Ray's
+    ray_bars, ctx.enable_progress_bars = (
+        ctx.enable_progress_bars,
+        not progress,
+    )  # ours replaces Ray's
     try:
-        mapped = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(  # one block per shard
+        mapped = ray.data.from_items(
+            rows, override_num_blocks=len(rows)
+        ).map_batches(  # one block per shard
             ShardGenerator,
             batch_size=1,
             # One shard in flight per actor: a free actor takes the next shard (no queueing
@@ -113,21 +142,39 @@ def _run_shards(
                 "work_dir": str(work),
             },
         )
-        bar = tqdm(total=num_shards, initial=num_shards - len(todo), desc="self-distill shards", unit="shard",
-                   disable=not progress)
+        bar = tqdm(
+            total=num_shards,
+            initial=num_shards - len(todo),
+            desc="self-distill shards",
+            unit="shard",
+            disable=not progress,
+        )
         with bar:
             for r in mapped.iter_rows():  # one summary row per shard, as each finishes
                 bar.update(1)
                 logger.info(
-                    "shard %d/%d done on %s: %d/%d samples, %d response tokens, %.1f s", r["shard"] + 1,
-                    num_shards, r["device"], r["samples"], r["prompts"], r["response_tokens"], r["seconds"],
+                    "shard %d/%d done on %s: %d/%d samples, %d response tokens, %.1f s",
+                    r["shard"] + 1,
+                    num_shards,
+                    r["device"],
+                    r["samples"],
+                    r["prompts"],
+                    r["response_tokens"],
+                    r["seconds"],
                 )
     finally:
         ctx.enable_progress_bars = ray_bars
 
 
-def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig, target_spec: TargetSpec,
-              fingerprint: str, progress: bool) -> None:
+def _generate(
+    root: Path,
+    prompts: list[str],
+    shard_size: int,
+    data: DataConfig,
+    target_spec: TargetSpec,
+    fingerprint: str,
+    progress: bool,
+) -> None:
     """Generate the missing shards, then save the final DatasetDict + meta.json atomically."""
     work = root / "work"
     num_shards = -(-len(prompts) // shard_size)  # ceil
@@ -137,7 +184,10 @@ def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig,
     todo = [i for i in range(num_shards) if not shard_dir(work, i).is_dir()]
     logger.info(
         "self-distillation data at %s: %d prompts in %d shards, %d to generate",
-        root, len(prompts), num_shards, len(todo),
+        root,
+        len(prompts),
+        num_shards,
+        len(todo),
     )
     todo, reused = reuse_donor_shards(root, todo, prompts, shard_size, data, fingerprint, progress)
     if todo:
@@ -147,7 +197,10 @@ def _generate(root: Path, prompts: list[str], shard_size: int, data: DataConfig,
     meta = dataset_meta(ds, dsd, data, target_spec, fingerprint, len(prompts), shard_size, reused)
     save_atomic(dsd, root / "dataset", extra={"meta.json": meta})
     logger.info(
-        "saved self-distillation data at %s (%d train, %d eval)", root / "dataset", meta["num_train"], meta["num_eval"]
+        "saved self-distillation data at %s (%d train, %d eval)",
+        root / "dataset",
+        meta["num_train"],
+        meta["num_eval"],
     )
 
 
@@ -155,7 +208,11 @@ def training_view(ds: datasets.Dataset | datasets.DatasetDict):
     """Rows as training reads them: cached features as numpy arrays, the rest as Python
     values. Python lists of a (T, 4H) feature array cost more than the training step itself
     (measured for SmolLM2 + p-eagle, batch 8: fetch + collate 0.36 s -> 0.017 s a step)."""
-    names = ds.column_names if isinstance(ds, datasets.Dataset) else next(iter(ds.values())).column_names
+    names = (
+        ds.column_names
+        if isinstance(ds, datasets.Dataset)
+        else next(iter(ds.values())).column_names
+    )
     if "hidden" not in names:
         return ds.with_format(None)
     return ds.with_format("numpy", columns=["hidden"], output_all_columns=True)

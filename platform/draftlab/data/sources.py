@@ -31,7 +31,13 @@ from draftlab.data.sampling import TopKTopPSampler
 logger = logging.getLogger(__name__)
 
 # Local files: extension -> `datasets` packaged builder.
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 _USER_ROLES = ("human", "user")
 # Cut point in the rendered chat template; private-use chars never occur in real templates.
 _SENTINEL = "\ue000draftlab-magpie\ue001"
@@ -147,7 +153,9 @@ def _open_dataset(cfg: PromptSourceConfig):
     """A `datasets.Dataset` for a hub name, a local file (builder from its extension), a
     `save_to_disk` directory, or any other directory `datasets` understands."""
     if not cfg.path:
-        raise ValueError("prompt source kind 'dataset' needs source.path (hub name or local file/dir)")
+        raise ValueError(
+            "prompt source kind 'dataset' needs source.path (hub name or local file/dir)"
+        )
     path = Path(cfg.path).expanduser()
     builder = _BUILDERS.get(path.suffix.lower()) if path.is_file() else None
     if path.is_file() and builder is None:
@@ -156,18 +164,28 @@ def _open_dataset(cfg: PromptSourceConfig):
             f"use one of {sorted(_BUILDERS)} or a directory"
         )
     if path.is_file() and cfg.data_files is not None:
-        raise ValueError(f"{_describe(cfg)}: source.data_files picks files of a hub repo or directory, not of a file")
+        raise ValueError(
+            f"{_describe(cfg)}: source.data_files picks files of a hub repo or directory, not of a file"
+        )
     try:
         if builder is not None:
             # The file *is* the split named in the config, so slices like `train[:100]` work.
             files = {re.match(r"\w*", cfg.split).group(0) or "train": str(path)}
             return datasets.load_dataset(builder, data_files=files, split=cfg.split)
-        if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        if path.is_dir() and (
+            (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+        ):
             loaded = datasets.load_from_disk(str(path))
             return loaded[cfg.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return datasets.load_dataset(str(path) if path.is_dir() else cfg.path, cfg.subset, split=cfg.split,
-                                     data_files=cfg.data_files)
-    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError...)
+        return datasets.load_dataset(
+            str(path) if path.is_dir() else cfg.path,
+            cfg.subset,
+            split=cfg.split,
+            data_files=cfg.data_files,
+        )
+    except (
+        Exception
+    ) as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError...)
         raise ValueError(f"{_describe(cfg)}: could not load it: {type(e).__name__}: {e}") from e
 
 
@@ -184,7 +202,10 @@ def first_user_turn(conversation: object) -> str | None:
     if not isinstance(conversation, list):
         return None
     for turn in conversation:
-        if isinstance(turn, dict) and str(turn.get("from", turn.get("role", ""))).lower() in _USER_ROLES:
+        if (
+            isinstance(turn, dict)
+            and str(turn.get("from", turn.get("role", ""))).lower() in _USER_ROLES
+        ):
             return _turn_text(turn)
     return None
 
@@ -202,7 +223,9 @@ def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[str | No
             f"available columns: {ds.column_names}"
         )
     rows = ds.select_columns([column])
-    for value in rows.select(range(min(first, rows.num_rows), rows.num_rows)):  # lazy: read until enough are kept
+    for value in rows.select(
+        range(min(first, rows.num_rows), rows.num_rows)
+    ):  # lazy: read until enough are kept
         value = value[column]
         yield first_user_turn(value) if cfg.conversations else value
 
@@ -218,7 +241,9 @@ def user_turn_header(tokenizer) -> str:
         [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
     )
     if _SENTINEL not in rendered:
-        raise ValueError("the chat template does not render the user message verbatim; use kind='dataset'")
+        raise ValueError(
+            "the chat template does not render the user message verbatim; use kind='dataset'"
+        )
     return rendered.split(_SENTINEL, 1)[0]
 
 
@@ -234,7 +259,9 @@ def _end_of_turn_ids(target, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-_VLLM_MAGPIE_REQUESTS = 256  # turns a vLLM writer is asked for at a time (whole rounds; the last call overshoots)
+_VLLM_MAGPIE_REQUESTS = (
+    256  # turns a vLLM writer is asked for at a time (whole rounds; the last call overshoots)
+)
 
 
 def _magpie_texts(
@@ -247,7 +274,9 @@ def _magpie_texts(
     stream starts at its text `first`: the round holding it is written again and its
     earlier turns skipped (every round is seeded by its index)."""
     yield from itertools.islice(
-        _magpie_rounds(cfg, target, batch_size, first // batch_size, max_rounds, writer), first % batch_size, None
+        _magpie_rounds(cfg, target, batch_size, first // batch_size, max_rounds, writer),
+        first % batch_size,
+        None,
     )
 
 
@@ -259,7 +288,9 @@ def _magpie_rounds(
     header = user_turn_header(tok)
     stop = _end_of_turn_ids(target, tok)
 
-    def opening(round_: int) -> tuple[str, list[int]]:  # the round's opening words, and its start ids
+    def opening(
+        round_: int,
+    ) -> tuple[str, list[int]]:  # the round's opening words, and its start ids
         words = cfg.magpie_seeds[round_ % len(cfg.magpie_seeds)]
         return words, tok(header + words, add_special_tokens=False)["input_ids"]
 
@@ -273,9 +304,16 @@ def _magpie_rounds(
             rounds = range(first, min(first + per_call, max_rounds))
             starts = [opening(r) for r in rounds]
             rows = writer.generate_many(
-                [ids for _, ids in starts for _ in range(batch_size)], cfg.max_prompt_tokens,
-                temperature=cfg.magpie_temperature, top_p=cfg.magpie_top_p, stop_token_ids=stop,
-                seeds=[cfg.seed * 1_000_003 + r * batch_size + b for r in rounds for b in range(batch_size)],
+                [ids for _, ids in starts for _ in range(batch_size)],
+                cfg.max_prompt_tokens,
+                temperature=cfg.magpie_temperature,
+                top_p=cfg.magpie_top_p,
+                stop_token_ids=stop,
+                seeds=[
+                    cfg.seed * 1_000_003 + r * batch_size + b
+                    for r in rounds
+                    for b in range(batch_size)
+                ],
             )
             for i, row in enumerate(rows):
                 yield turn(starts[i // batch_size][0], row)
@@ -291,7 +329,9 @@ def _magpie_rounds(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,  # the sampler runs in the greedy loop (fast on CPU)
-                logits_processor=LogitsProcessorList([TopKTopPSampler(cfg.magpie_temperature, cfg.magpie_top_p)]),
+                logits_processor=LogitsProcessorList(
+                    [TopKTopPSampler(cfg.magpie_temperature, cfg.magpie_top_p)]
+                ),
                 max_new_tokens=cfg.max_prompt_tokens,
                 eos_token_id=stop,
                 pad_token_id=pad,
@@ -343,15 +383,22 @@ def collect_prompts(
     if start is not None and start.consumed is None:
         raise ValueError("a prompt list without its stream position cannot be extended")
     collector = _Collector(cfg, target.tokenizer, start)
-    bar = tqdm(total=cfg.num_prompts, initial=len(collector.prompts), desc=f"prompts ({cfg.kind})", unit="prompt",
-               disable=not progress)
+    bar = tqdm(
+        total=cfg.num_prompts,
+        initial=len(collector.prompts),
+        desc=f"prompts ({cfg.kind})",
+        unit="prompt",
+        disable=not progress,
+    )
     with bar:
         if cfg.kind == "dataset":
             _collect(_dataset_texts(cfg, collector.consumed), collector, bar)
             where = _describe(cfg)
         else:
             rounds = magpie_max_rounds or 4 * math.ceil(cfg.num_prompts / magpie_batch_size) + 2
-            texts = _magpie_texts(cfg, target, magpie_batch_size, rounds, writer, collector.consumed)
+            texts = _magpie_texts(
+                cfg, target, magpie_batch_size, rounds, writer, collector.consumed
+            )
             _collect(texts, collector, bar)
             where = f"magpie prompts from {target.name!r} ({rounds} rounds max)"
     resumed = f" ({len(start.prompts)} of them resumed from a shorter list)" if start else ""
@@ -359,6 +406,11 @@ def collect_prompts(
     if not collector.prompts:
         raise ValueError(f"{where}: no prompt passed the filters ({collector.summary()})")
     if not collector.full:
-        logger.warning("%s: only %d of %d prompts (%s)", where, len(collector.prompts), cfg.num_prompts,
-                       collector.summary())
+        logger.warning(
+            "%s: only %d of %d prompts (%s)",
+            where,
+            len(collector.prompts),
+            cfg.num_prompts,
+            collector.summary(),
+        )
     return PromptList(collector.prompts, collector.consumed)

@@ -27,7 +27,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
     sorted_p, order = probs.sort(dim=-1, descending=True)
     # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
     drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-    drop[..., 0] = False  # also when top_p rounds to 0 in float32 (e.g. 1e-300): never an empty nucleus
+    drop[..., 0] = (
+        False  # also when top_p rounds to 0 in float32 (e.g. 1e-300): never an empty nucleus
+    )
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return kept / kept.sum(-1, keepdim=True)
@@ -44,7 +46,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-def greedy_walk(tree: Topology, nodes: list[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
+def greedy_walk(
+    tree: Topology, nodes: list[int], target_logits: torch.Tensor
+) -> tuple[list[int], int]:
     """Longest root-to-node path whose tokens equal the target's argmax.
 
     nodes: (N+1) verify-input token ids; target_logits: (N+1, V).
@@ -65,7 +69,8 @@ def sampled_walk(
     tree: Topology,
     nodes: list[int],
     target_probs: torch.Tensor,  # (N+1, V) processed target distributions
-    draft_probs: torch.Tensor | None,  # (depth, V) when drafts were sampled from q; None = deterministic
+    draft_probs: torch.Tensor
+    | None,  # (depth, V) when drafts were sampled from q; None = deterministic
     gen: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """Lossless acceptance; returns (accepted node indices, bonus token)."""

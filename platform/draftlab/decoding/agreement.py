@@ -44,15 +44,22 @@ def near_tie(target: Target, prompt: list[int], a: list[int], b: list[int], pos:
     if pos >= min(len(a), len(b)):  # one output stopped earlier (EOS): nothing to compare
         return {"tokens": [a[pos] if pos < len(a) else None, b[pos] if pos < len(b) else None]}
     ids = torch.tensor(prompt + a[:pos], device=target.device)
-    logits, _ = target.forward(ids, torch.arange(ids.numel(), device=target.device), target.new_cache(), last_logits=True)
+    logits, _ = target.forward(
+        ids, torch.arange(ids.numel(), device=target.device), target.new_cache(), last_logits=True
+    )
     last = logits[-1]  # (V,)
     top = last.topk(2).values
-    return {"tokens": [a[pos], b[pos]], "logits": [float(last[a[pos]]), float(last[b[pos]])],
-            "margin": abs(float(last[a[pos]] - last[b[pos]])), "top2_gap": float(top[0] - top[1])}
+    return {
+        "tokens": [a[pos], b[pos]],
+        "logits": [float(last[a[pos]]), float(last[b[pos]])],
+        "margin": abs(float(last[a[pos]] - last[b[pos]])),
+        "top2_gap": float(top[0] - top[1]),
+    }
 
 
-def mismatches(target: Target, prompts: list[list[int]], reference: list[list[int]],
-               outputs: list[list[int]]) -> list[dict]:
+def mismatches(
+    target: Target, prompts: list[list[int]], reference: list[list[int]], outputs: list[list[int]]
+) -> list[dict]:
     """Each prompt whose output differs from the reference's: its index, the first
     differing position and the target's margins there (`near_tie`)."""
     return [

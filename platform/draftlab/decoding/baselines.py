@@ -31,11 +31,22 @@ class Run:
 def hf_runner(target: Target, params: SamplingParams, **extra) -> Callable[[list[int]], Run]:
     """transformers `generate`; target forwards are counted with a forward hook."""
     calls = [0]
-    sampling = {"do_sample": False} if params.greedy else {
-        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": None,
-    }
+    sampling = (
+        {"do_sample": False}
+        if params.greedy
+        else {
+            "do_sample": True,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": None,
+        }
+    )
     eos = sorted(target.eos_token_ids) or None
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else (eos or [0])[0]
+    pad = (
+        target.tokenizer.pad_token_id
+        if target.tokenizer.pad_token_id is not None
+        else (eos or [0])[0]
+    )
 
     def run(prompt: list[int]) -> Run:
         ids = torch.tensor([prompt], device=target.device)
@@ -45,14 +56,19 @@ def hf_runner(target: Target, params: SamplingParams, **extra) -> Callable[[list
             sync(target.device)
             t0 = time.perf_counter()
             out = target.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
-                eos_token_id=eos, pad_token_id=pad, **sampling, **extra,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **sampling,
+                **extra,
             )
             sync(target.device)
             seconds = time.perf_counter() - t0
         finally:
             hook.remove()
-        new = out[0, len(prompt):].tolist()
+        new = out[0, len(prompt) :].tolist()
         for i, tok in enumerate(new):  # cut after the first EOS, as our Stopper does
             if tok in target.eos_token_ids:
                 new = new[: i + 1]
@@ -60,5 +76,3 @@ def hf_runner(target: Target, params: SamplingParams, **extra) -> Callable[[list
         return Run(new, seconds, max(calls[0] - 1, 1))
 
     return run
-
-

@@ -42,10 +42,16 @@ class StackedCache(DynamicCache):
         super().__init__()  # no layers of its own: mask sizes fall back to the query length
         self.caches, self.lengths = caches, lengths
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ):
         keys, values = [], []
-        for cache, k, v in zip(self.caches, key_states.split(self.lengths, dim=2),
-                               value_states.split(self.lengths, dim=2), strict=True):  # (1, kv, T_i, d) each
+        for cache, k, v in zip(
+            self.caches,
+            key_states.split(self.lengths, dim=2),
+            value_states.split(self.lengths, dim=2),
+            strict=True,
+        ):  # (1, kv, T_i, d) each
             kk, vv = cache.update(k, v, layer_idx)
             keys.append(kk)
             values.append(vv)

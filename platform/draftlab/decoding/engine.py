@@ -107,14 +107,19 @@ class Block:
     ids: torch.Tensor  # (T,) root, then the drafted nodes
     positions: torch.Tensor  # (T,)
     rows: list | RowPlan  # keys per row, relative to this session's cache
-    tree: Topology | None  # the round's tree (static, or with grafted n-gram nodes); None = no drafts
+    tree: (
+        Topology | None
+    )  # the round's tree (static, or with grafted n-gram nodes); None = no drafts
     draft_logits: torch.Tensor | None  # (k, V)
     sampled_drafts: bool | None  # chain drafts sampled from q (lossless sampling needs q)
     draft_s: float
 
 
-def step_many(sessions: list[Session], speculate: list[bool],
-              on_error: Callable[[Session, Exception], None] | None = None) -> None:
+def step_many(
+    sessions: list[Session],
+    speculate: list[bool],
+    on_error: Callable[[Session, Exception], None] | None = None,
+) -> None:
     """One round of several sessions, as the method names it: each session drafts (or not:
     `speculate`), one target forward verifies every block (`verify`), each session accepts.
 
@@ -151,15 +156,19 @@ def step_many(sessions: list[Session], speculate: list[bool],
             fail(s, e)
 
 
-def verify(sessions: list[Session], blocks: list[Block]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+def verify(
+    sessions: list[Session], blocks: list[Block]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
     """The target scores every session's block in one forward (`Target.forward_many`: each
     row sees only its own session's keys, so the outputs equal one forward per session) and
     appends the blocks' rows to the sessions' caches; `accept` keeps the accepted ones.
     Returns per session (logits (T, V), states (T, F)) and the forward's seconds per session."""
     dec = sessions[0].dec
     t0 = time.perf_counter()
-    outs = dec.target.forward_many([(b.ids, b.positions, s.cache, b.rows) for s, b in zip(sessions, blocks, strict=True)],
-                                   dec.aux_layers)
+    outs = dec.target.forward_many(
+        [(b.ids, b.positions, s.cache, b.rows) for s, b in zip(sessions, blocks, strict=True)],
+        dec.aux_layers,
+    )
     return outs, (time.perf_counter() - t0) / len(sessions)  # the shared forward, split evenly
 
 
@@ -175,7 +184,9 @@ class SpeculativeDecoder:
     position.
     """
 
-    def __init__(self, target: Target, drafter: DrafterNet, tree: Tree, store: NgramStore | None = None):
+    def __init__(
+        self, target: Target, drafter: DrafterNet, tree: Tree, store: NgramStore | None = None
+    ):
         drafter.check_k(tree.depth)
         self.target, self.drafter, self.tree, self.store = target, drafter, tree, store
         self.aux_layers = drafter.aux_layers  # target states the drafter fuses
@@ -210,13 +221,17 @@ class Session:
         self.t_start = time.perf_counter()
         self.stats, self.gen = DecodeStats(), _generator(params, dev)
         self.stopper = Stopper(target.tokenizer, target.eos_token_ids, params)
-        self.cache, hidden, self.root = _prefill(target, prompt, params, self.gen, self.stats, dec.aux_layers)
+        self.cache, hidden, self.root = _prefill(
+            target, prompt, params, self.gen, self.stats, dec.aux_layers
+        )
         self.state = dec.drafter.new_state()
         self.ctx = len(prompt)  # target cache length (the root is not in it)
         # Pending drafter entries: (x_t, h_{t-1}) for t = 1..n-1 and the first new token.
         self.pend_tok = torch.tensor(prompt[1:] + [self.root], device=dev)
         self.pend_hid = hidden
-        self.lookup = NgramIndex(dec.tree.ngram, prompt + [self.root], dec.store) if dec.tree.ngram else None
+        self.lookup = (
+            NgramIndex(dec.tree.ngram, prompt + [self.root], dec.store) if dec.tree.ngram else None
+        )
         self.done = self.stopper.feed([self.root])
 
     @property
@@ -235,8 +250,15 @@ class Session:
         tree, dev = dec.tree, dec.target.device
         t0 = time.perf_counter()
         if not speculate:  # a plain decode step: the root alone, through the same verify attention
-            return Block(ids=torch.tensor([self.root], device=dev), positions=torch.tensor([self.ctx], device=dev),
-                         rows=[self.ctx + 1], tree=None, draft_logits=None, sampled_drafts=None, draft_s=0.0)
+            return Block(
+                ids=torch.tensor([self.root], device=dev),
+                positions=torch.tensor([self.ctx], device=dev),
+                rows=[self.ctx + 1],
+                tree=None,
+                draft_logits=None,
+                sampled_drafts=None,
+                draft_s=0.0,
+            )
         sample_drafts = tree.is_chain and not params.greedy
 
         def pick(j: int, logits: torch.Tensor) -> int:
@@ -244,17 +266,28 @@ class Session:
                 return int(greedy_tokens(logits))
             return sample(process_logits(logits, params.temperature, params.top_p), self.gen)
 
-        drafts, dlogits = dec.drafter.propose(self.state, self.pend_tok, self.pend_hid, tree.depth, pick)  # (k,), (k, V)
+        drafts, dlogits = dec.drafter.propose(
+            self.state, self.pend_tok, self.pend_hid, tree.depth, pick
+        )  # (k,), (k, V)
         self.pend_tok, self.pend_hid = self.pend_tok[:0], self.pend_hid[:0]  # committed
         if tree.is_chain:
-            shape, nodes = tree, torch.cat([torch.tensor([self.root], device=dev), drafts])  # (k+1,)
+            shape, nodes = (
+                tree,
+                torch.cat([torch.tensor([self.root], device=dev), drafts]),
+            )  # (k+1,)
         else:
-            shape, nodes = tree.round_tree(self.root, dlogits)  # the tree, or this round's part of it
+            shape, nodes = tree.round_tree(
+                self.root, dlogits
+            )  # the tree, or this round's part of it
         if self.lookup is not None and not sample_drafts:  # this round's tree plus the lookups
             ids = nodes.tolist()
             # the drafter's likeliest path (its argmax at every depth) and first-position
             # candidates carried on, then the copied span (grafted last: its rows lead the block)
-            carried = self.lookup.carried(drafts.tolist(), [ids[c] for c in shape.children[0]]) if tree.ngram.extend else []
+            carried = (
+                self.lookup.carried(drafts.tolist(), [ids[c] for c in shape.children[0]])
+                if tree.ngram.extend
+                else []
+            )
             grown = shape
             for branch in (*carried, self.lookup.propose()):
                 if branch:
@@ -263,14 +296,30 @@ class Session:
                 shape, nodes = grown, torch.tensor(ids, device=dev)
         if shape is tree:  # the static tree's buffers, built once
             rows = verify_plan(tree, self.ctx, dec._ancestors, dec._counts)
-            return Block(ids=nodes, positions=self.ctx + dec._depths, rows=rows, tree=tree, draft_logits=dlogits,
-                         sampled_drafts=sample_drafts, draft_s=time.perf_counter() - t0)
+            return Block(
+                ids=nodes,
+                positions=self.ctx + dec._depths,
+                rows=rows,
+                tree=tree,
+                draft_logits=dlogits,
+                sampled_drafts=sample_drafts,
+                draft_s=time.perf_counter() - t0,
+            )
         ancestors, counts = (t.to(dev) for t in shape.ancestor_rows)
-        return Block(ids=nodes, positions=self.ctx + shape.depths.to(dev), rows=verify_plan(shape, self.ctx, ancestors, counts),
-                     tree=shape, draft_logits=dlogits, sampled_drafts=False, draft_s=time.perf_counter() - t0)
+        return Block(
+            ids=nodes,
+            positions=self.ctx + shape.depths.to(dev),
+            rows=verify_plan(shape, self.ctx, ancestors, counts),
+            tree=shape,
+            draft_logits=dlogits,
+            sampled_drafts=False,
+            draft_s=time.perf_counter() - t0,
+        )
 
     @torch.inference_mode()
-    def accept(self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float) -> None:
+    def accept(
+        self, block: Block, logits: torch.Tensor, hid: torch.Tensor, verify_s: float
+    ) -> None:
         """Walk `block`'s tree against the target's `logits` (T, V) (greedy or lossless
         sampling), keep the accepted rows of the target cache and `hid` (T, F), and commit the
         accepted tokens and the bonus."""
@@ -282,18 +331,26 @@ class Session:
             accepted, bonus = greedy_walk(block.tree, node_list, logits)
         else:
             probs = process_logits(logits, params.temperature, params.top_p)  # (N+1, V)
-            q = process_logits(block.draft_logits, params.temperature, params.top_p) if block.sampled_drafts else None
+            q = (
+                process_logits(block.draft_logits, params.temperature, params.top_p)
+                if block.sampled_drafts
+                else None
+            )
             accepted, bonus = sampled_walk(block.tree, node_list, probs, q, self.gen)
         keep = [0] + accepted
         keep_rows(self.cache, self.ctx, keep)
         self.ctx += len(keep)
         new = [node_list[i] for i in accepted] + [bonus]
         self.pend_tok = torch.cat([self.pend_tok, torch.tensor(new, device=dev)])
-        self.pend_hid = torch.cat([self.pend_hid, hid[keep]])  # (m+1, F): the states that produced each new token
+        self.pend_hid = torch.cat(
+            [self.pend_hid, hid[keep]]
+        )  # (m+1, F): the states that produced each new token
         self.root = bonus
         self.stats.draft_s += block.draft_s
         self.stats.verify_s += verify_s
-        self.stats.record(drafted=block.ids.numel() - 1, accepted=len(accepted), depth=self.dec.tree.depth)
+        self.stats.record(
+            drafted=block.ids.numel() - 1, accepted=len(accepted), depth=self.dec.tree.depth
+        )
         if self.lookup is not None:
             self.lookup.extend(new)
         self.done = self.stopper.feed(new)
@@ -302,7 +359,9 @@ class Session:
         return _finish(self.stopper, self.stats, self.t_start)
 
 
-def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor) -> list | RowPlan:
+def verify_plan(
+    tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor
+) -> list | RowPlan:
     """Keys each verified row of `tree` sees after `ctx` cached tokens (the context, then its
     ancestors and itself), for the target's verify attention (row-exact on CPU, fused on
     CUDA: `attention.choose`). A chain's rows are causal prefixes; `ancestors`, `counts` =
@@ -313,7 +372,9 @@ def verify_plan(tree: Topology, ctx: int, ancestors: torch.Tensor, counts: torch
 
 
 @torch.inference_mode()
-def autoregressive_generate(target: Target, prompt: list[int], params: SamplingParams) -> GenerationResult:
+def autoregressive_generate(
+    target: Target, prompt: list[int], params: SamplingParams
+) -> GenerationResult:
     """Target-only decoding with a KV cache: the reference every speedup is measured against."""
     t_start = time.perf_counter()
     stats, gen = DecodeStats(), _generator(params, target.device)
@@ -322,7 +383,11 @@ def autoregressive_generate(target: Target, prompt: list[int], params: SamplingP
     pos = len(prompt)
     while not stopper.feed([tok]):
         t0 = time.perf_counter()
-        logits, _ = target.forward(torch.tensor([tok], device=target.device), torch.tensor([pos], device=target.device), cache)
+        logits, _ = target.forward(
+            torch.tensor([tok], device=target.device),
+            torch.tensor([pos], device=target.device),
+            cache,
+        )
         tok = _choose(logits[-1], params, gen)
         pos += 1
         stats.verify_s += time.perf_counter() - t0
@@ -348,15 +413,26 @@ def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator |
     return sample(process_logits(logits, params.temperature, params.top_p), gen)
 
 
-def _prefill(target: Target, prompt: list[int], params: SamplingParams, gen, stats: DecodeStats,
-             aux_layers: tuple[int, ...] = ()):
+def _prefill(
+    target: Target,
+    prompt: list[int],
+    params: SamplingParams,
+    gen,
+    stats: DecodeStats,
+    aux_layers: tuple[int, ...] = (),
+):
     if not prompt:
         raise ValueError("prompt must contain at least one token")
     t0 = time.perf_counter()
     ids = torch.tensor(prompt, device=target.device)
     cache = target.new_cache()
-    logits, hidden = target.forward(ids, torch.arange(len(prompt), device=target.device), cache, aux_layers=aux_layers,
-                                    last_logits=True)  # (1, V), (T, F)
+    logits, hidden = target.forward(
+        ids,
+        torch.arange(len(prompt), device=target.device),
+        cache,
+        aux_layers=aux_layers,
+        last_logits=True,
+    )  # (1, V), (T, F)
     first = _choose(logits[-1], params, gen)
     stats.prefill_s = time.perf_counter() - t0
     return cache, hidden, first

@@ -72,9 +72,15 @@ class NgramStore:
         """As (G, n) grams and (G, tokens) continuations per n, padded with -1."""
         tensors = {}
         for n in range(self.spec.min_match, self.spec.max_match + 1):
-            items = [(g, c + [-1] * (self.spec.tokens - len(c))) for g, c in self.table.items() if len(g) == n]
+            items = [
+                (g, c + [-1] * (self.spec.tokens - len(c)))
+                for g, c in self.table.items()
+                if len(g) == n
+            ]
             grams = torch.tensor([g for g, _ in items], dtype=torch.int32).reshape(-1, n)
-            nxt = torch.tensor([c for _, c in items], dtype=torch.int32).reshape(-1, self.spec.tokens)
+            nxt = torch.tensor([c for _, c in items], dtype=torch.int32).reshape(
+                -1, self.spec.tokens
+            )
             tensors |= {f"grams_{n}": grams, f"next_{n}": nxt}
         sizes = {f: str(getattr(self.spec, f)) for f in _STORE_FIELDS}
         save_file(tensors, str(path), metadata=sizes)
@@ -84,11 +90,15 @@ class NgramStore:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         if not set(_STORE_FIELDS) <= set(meta):
-            raise ValueError(f"{path} is not an n-gram lookup store (no {list(_STORE_FIELDS)} in its metadata)")
+            raise ValueError(
+                f"{path} is not an n-gram lookup store (no {list(_STORE_FIELDS)} in its metadata)"
+            )
         spec = NgramSpec(**{f: int(meta[f]) for f in _STORE_FIELDS})
         tensors, table = load_file(str(path)), {}
         for n in range(spec.min_match, spec.max_match + 1):
-            for gram, nxt in zip(tensors[f"grams_{n}"].tolist(), tensors[f"next_{n}"].tolist(), strict=True):
+            for gram, nxt in zip(
+                tensors[f"grams_{n}"].tolist(), tensors[f"next_{n}"].tolist(), strict=True
+            ):
                 table[tuple(gram)] = [t for t in nxt if t >= 0]
         return cls(spec, table)
 
@@ -113,7 +123,9 @@ class NgramIndex:
 
     def __init__(self, spec: NgramSpec, tokens: list[int], store: NgramStore | None = None):
         self.spec = spec
-        self.store = store if spec.store_tokens or spec.extend else None  # consulted when the text has no match
+        self.store = (
+            store if spec.store_tokens or spec.extend else None
+        )  # consulted when the text has no match
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}
         self.copy_len = spec.tokens  # the next copy's length
@@ -123,7 +135,11 @@ class NgramIndex:
     def extend(self, new: list[int]) -> None:
         if self._copied:  # committed after a copy: was all of it right?
             whole = new[: len(self._copied)] == self._copied
-            self.copy_len = max(self.spec.tokens, min(2 * self.copy_len, self.spec.grow_to)) if whole else self.spec.tokens
+            self.copy_len = (
+                max(self.spec.tokens, min(2 * self.copy_len, self.spec.grow_to))
+                if whole
+                else self.spec.tokens
+            )
             self._copied = []
         for tok in new:
             end = len(self.tokens)  # `tok` continues every n-gram ending just before it
@@ -147,7 +163,11 @@ class NgramIndex:
             self._copied = self.tokens[start : start + self.copy_len]
             return self._copied
         self._copied = []
-        return self.store.propose(self.tokens)[: self.spec.store_tokens] if self.store is not None and self.spec.store_tokens else []
+        return (
+            self.store.propose(self.tokens)[: self.spec.store_tokens]
+            if self.store is not None and self.spec.store_tokens
+            else []
+        )
 
     def propose_after(self, path: list[int]) -> list[int]:
         """Up to `spec.extend` tokens that followed the text's tokens plus the drafted `path`
@@ -160,14 +180,20 @@ class NgramIndex:
             return self.tokens[start : start + self.spec.extend]
         if self.store is None:
             return []
-        return self.store.propose(self.tokens[-self.store.spec.max_match :] + path)[: self.spec.extend]
+        return self.store.propose(self.tokens[-self.store.spec.max_match :] + path)[
+            : self.spec.extend
+        ]
 
     def carried(self, path: list[int], firsts: list[int]) -> list[list[int]]:
         """Branches carrying on the prefixes of the drafter's likeliest `path` at least
         `spec.extend_from` deep (`carried_depths`) and, with `extend_from` 1, the
         `spec.extend_firsts` likeliest of its other first-position candidates (`firsts`, the
         round tree's, likeliest first) by `propose_after`; those with no match are left out."""
-        others = [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts] if self.spec.extend_from == 1 else []
+        others = (
+            [[f] for f in firsts if f != path[0]][: self.spec.extend_firsts]
+            if self.spec.extend_from == 1
+            else []
+        )
         starts = [path[:d] for d in carried_depths(self.spec, len(path))] + others
         return [start + after for start in starts if (after := self.propose_after(start))]
 
@@ -192,7 +218,7 @@ def graft(tree: Topology, nodes: list[int], branch: list[int]) -> tuple[Topology
         if nxt is None:
             break
         shared.append(nxt)
-    new = branch[len(shared):]
+    new = branch[len(shared) :]
     if not new:
         return tree, nodes
     index = {old: i for i, old in enumerate([0, *shared])}  # static node -> new index

@@ -104,8 +104,10 @@ class Topology:
         """Block rows each node sees, its ancestors then itself: ((N+1, depth+1) zero-padded
         offsets, (N+1,) counts) - the input of `attention.RowPlan.tree`."""
         width = max(len(s) for s in self.ancestors)
-        return (torch.tensor([s + [0] * (width - len(s)) for s in self.ancestors]),
-                torch.tensor([len(s) for s in self.ancestors]))
+        return (
+            torch.tensor([s + [0] * (width - len(s)) for s in self.ancestors]),
+            torch.tensor([len(s) for s in self.ancestors]),
+        )
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,17 @@ class Tree(Topology):
     def from_paths(cls, paths, name: str = "custom", max_depth: int | None = None) -> Tree:
         """Validate: non-empty int paths, no duplicates, prefix-closed, depth <= max_depth."""
         if not isinstance(paths, list | tuple) or not paths:
-            raise TreeError(f"tree {name!r}: expected a non-empty list of rank paths like [[0], [1], [0, 0]]")
+            raise TreeError(
+                f"tree {name!r}: expected a non-empty list of rank paths like [[0], [1], [0, 0]]"
+            )
         clean: list[tuple[int, ...]] = []
         for p in paths:
             if not isinstance(p, list | tuple) or not p:
                 raise TreeError(f"tree {name!r}: path {p!r} must be a non-empty list of ranks")
             if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p):
-                raise TreeError(f"tree {name!r}: path {list(p)} must hold non-negative integer ranks")
+                raise TreeError(
+                    f"tree {name!r}: path {list(p)} must hold non-negative integer ranks"
+                )
             clean.append(tuple(p))
         seen = set()
         for p in clean:
@@ -142,10 +148,14 @@ class Tree(Topology):
             seen.add(p)
         for p in clean:
             if len(p) > 1 and p[:-1] not in seen:
-                raise TreeError(f"tree {name!r}: path {list(p)} has no parent {list(p[:-1])} (trees must be prefix-closed)")
+                raise TreeError(
+                    f"tree {name!r}: path {list(p)} has no parent {list(p[:-1])} (trees must be prefix-closed)"
+                )
         if max_depth is not None and max(len(p) for p in clean) > max_depth:
             deepest = max(clean, key=len)
-            raise TreeError(f"tree {name!r}: path {list(deepest)} has depth {len(deepest)} > k={max_depth}")
+            raise TreeError(
+                f"tree {name!r}: path {list(deepest)} has depth {len(deepest)} > k={max_depth}"
+            )
         return cls(tuple(sorted(clean, key=lambda p: (len(p), p))), name)
 
     @classmethod
@@ -196,11 +206,15 @@ class Tree(Topology):
         pos = (self.depths[1:] - 1).to(nodes.device)  # (N,) each node's draft position
         logp = draft_logits[: self.depth].float().log_softmax(-1)[pos, nodes[1:]]  # (N,)
         score = self._path_sums.to(logp.device) @ logp - 1e-4 * pos  # ties: the parent first
-        keep = tuple((score.topk(self.per_round).indices.sort().values + 1).tolist())  # node ids, parents first
+        keep = tuple(
+            (score.topk(self.per_round).indices.sort().values + 1).tolist()
+        )  # node ids, parents first
         shape = self._round_shapes.get(keep)
         if shape is None:  # a few shapes recur: build each (and its row buffers) once
             index = {0: 0} | {old: i + 1 for i, old in enumerate(keep)}
-            shape = self._round_shapes[keep] = RoundTree([-1] + [index[self.parents[old]] for old in keep])
+            shape = self._round_shapes[keep] = RoundTree(
+                [-1] + [index[self.parents[old]] for old in keep]
+            )
         return shape, nodes[[0, *keep]]
 
     @cached_property
@@ -212,7 +226,9 @@ class Tree(Topology):
         """The same tree without nodes deeper than `max_depth` (still prefix-closed)."""
         if self.depth <= max_depth:
             return self
-        cut = Tree.from_paths([list(p) for p in self.paths if len(p) <= max_depth], f"{self.name}-d{max_depth}")
+        cut = Tree.from_paths(
+            [list(p) for p in self.paths if len(p) <= max_depth], f"{self.name}-d{max_depth}"
+        )
         return dataclasses.replace(cut, ngram=self.ngram, per_round=self.per_round)
 
     def with_ngram(self, spec: NgramSpec | None = None) -> Tree:
@@ -225,7 +241,9 @@ class Tree(Topology):
         if per_round is not None and per_round < 1:
             raise TreeError(f"tree {self.name!r}: per_round must be >= 1 (got {per_round})")
         if per_round is not None and self.is_chain:
-            raise TreeError(f"tree {self.name!r} is a chain: per_round would only cut its depth (use chain-{per_round})")
+            raise TreeError(
+                f"tree {self.name!r} is a chain: per_round would only cut its depth (use chain-{per_round})"
+            )
         return dataclasses.replace(self, per_round=per_round)
 
     def to_json(self) -> str:
@@ -266,21 +284,31 @@ def load_tree(spec: str, k: int | None = None) -> Tree:
         return Tree.from_paths([list(p) for p in tree.paths], spec, max_depth=k)
     path = PRESET_DIR / f"{spec}.json" if (PRESET_DIR / f"{spec}.json").is_file() else Path(spec)
     if not path.is_file():
-        raise TreeError(f"unknown tree {spec!r}: not a preset ({available_trees()}) nor a JSON file")
+        raise TreeError(
+            f"unknown tree {spec!r}: not a preset ({available_trees()}) nor a JSON file"
+        )
     try:
         paths = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TreeError(f"tree file {path}: not valid JSON ({e})") from None
     graft, per_round = None, None
-    if isinstance(paths, dict):  # {"paths": [...], "ngram": {...}?, "per_round": n?} as `to_json` writes
+    if isinstance(
+        paths, dict
+    ):  # {"paths": [...], "ngram": {...}?, "per_round": n?} as `to_json` writes
         try:
             graft = NgramSpec.model_validate(paths["ngram"]) if paths.get("ngram") else None
         except ValueError as e:
             raise TreeError(f"tree file {path}: bad `ngram` ({e})") from None
         per_round = paths.get("per_round")
-        if per_round is not None and (not isinstance(per_round, int) or isinstance(per_round, bool)):
-            raise TreeError(f"tree file {path}: `per_round` must be an integer node count (got {per_round!r})")
+        if per_round is not None and (
+            not isinstance(per_round, int) or isinstance(per_round, bool)
+        ):
+            raise TreeError(
+                f"tree file {path}: `per_round` must be an integer node count (got {per_round!r})"
+            )
         paths = paths.get("paths")
-    tree = Tree.from_paths(paths, name=path.stem if path.parent == PRESET_DIR else str(path), max_depth=k)
+    tree = Tree.from_paths(
+        paths, name=path.stem if path.parent == PRESET_DIR else str(path), max_depth=k
+    )
     tree = tree.with_per_round(per_round)
     return tree.with_ngram(graft) if graft else tree

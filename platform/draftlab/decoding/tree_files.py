@@ -43,8 +43,13 @@ def searched_tree_file(drafter_dir: str | Path, budget: int) -> Path:
     return path
 
 
-def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int, fallback: str = "chain", cut: bool = True
-                 ) -> Tree:
+def resolve_tree(
+    spec: str | None,
+    drafter_dir: str | Path | None,
+    k: int,
+    fallback: str = "chain",
+    cut: bool = True,
+) -> Tree:
     """The tree a drafter drafting `k` deep verifies with.
 
     `spec`: `chain` (= chain-k), `chain-<n>`, a preset, `searched-<n>` (the best n-node tree
@@ -71,7 +76,9 @@ def resolve_tree(spec: str | None, drafter_dir: str | Path | None, k: int, fallb
     budget = searched_budget(spec)
     if budget:
         if drafter_dir is None:
-            raise ValueError(f"tree {spec!r} needs a saved drafter directory (its tree-search.json)")
+            raise ValueError(
+                f"tree {spec!r} needs a saved drafter directory (its tree-search.json)"
+            )
         found = load_tree(str(searched_tree_file(drafter_dir, budget)), k if cut else None)
         return Tree.from_paths([list(p) for p in found.paths], spec)
     tree = load_tree(spec)

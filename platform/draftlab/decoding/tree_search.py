@@ -32,7 +32,9 @@ def _check(acc: Acceptance) -> None:
     for d, row in enumerate(acc):
         for r, a in enumerate(row):
             if not 0.0 <= a <= 1.0:
-                raise TreeError(f"acceptance rate at depth {d + 1}, rank {r} is {a}; expected a probability in [0, 1]")
+                raise TreeError(
+                    f"acceptance rate at depth {d + 1}, rank {r} is {a}; expected a probability in [0, 1]"
+                )
 
 
 def path_value(path: Sequence[int], acc: Acceptance) -> float:
@@ -69,7 +71,9 @@ def best_tree(acc: Acceptance, budget: int, name: str | None = None) -> Tree:
         if depth < len(acc):
             for r, a in enumerate(acc[depth]):
                 heapq.heappush(frontier, (neg * a, depth + 1, (*path, r)))
-    return Tree.from_paths([list(p) for p in chosen], name or f"searched-{budget}", max_depth=len(acc))
+    return Tree.from_paths(
+        [list(p) for p in chosen], name or f"searched-{budget}", max_depth=len(acc)
+    )
 
 
 def static_equivalent(tree: Tree, acc: Acceptance) -> Tree:

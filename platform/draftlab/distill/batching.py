@@ -83,12 +83,17 @@ def collate(
         # the response (index prompt_len) from a = prompt_len - k - 1 on.
         first = 0 if loss_on_prompt else max(0, int(s["prompt_len"]) - k - 1)
         layouts.append(
-            build_group_layout(ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator, first_anchor=first)
+            build_group_layout(
+                ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator, first_anchor=first
+            )
         )
     B, L = len(samples), max(s.numel() for s in seqs)
     M = max(lay.num_nodes for lay in layouts)
     input_ids = torch.zeros(B, L, dtype=torch.long)
-    fields = {n: torch.zeros(B, M, dtype=torch.long) for n in ("node_token", "node_anchor", "depth", "position_ids", "teacher_idx", "label")}
+    fields = {
+        n: torch.zeros(B, M, dtype=torch.long)
+        for n in ("node_token", "node_anchor", "depth", "position_ids", "teacher_idx", "label")
+    }
     mask_idx = torch.full((B, M), -1, dtype=torch.long)
     loss_mask = torch.zeros(B, M, dtype=torch.bool)
     for b, (s, ids, lay) in enumerate(zip(samples, seqs, layouts, strict=True)):
@@ -105,7 +110,9 @@ def collate(
         fields["label"][b, :m] = entries[teacher]  # x_{a+d+2}
         mask_idx[b, :m] = torch.where(lay.depth > 0, lay.depth - 1, -1)
         prompt_len = 1 if loss_on_prompt else int(s["prompt_len"])
-        loss_mask[b, :m] = has_label & (teacher + 1 >= prompt_len)  # label x_{teacher+1} is past the prompt
+        loss_mask[b, :m] = has_label & (
+            teacher + 1 >= prompt_len
+        )  # label x_{teacher+1} is past the prompt
     hidden = None
     if samples and samples[0].get("hidden") is not None:
         H = torch.as_tensor(samples[0]["hidden"]).shape[-1]

@@ -77,8 +77,11 @@ def _save_drafter(path: Path, drafter: DrafterNet, weights: dict[str, torch.Tens
         drafter.save(path)
         return
     path.mkdir(parents=True)
-    save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.detach().to("cpu").contiguous() for n, t in weights.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (path / "config.json").write_text(json.dumps(drafter.cfg.model_dump(), indent=2) + "\n")
 
 
@@ -113,7 +116,11 @@ def save_checkpoint(
         (tmp / "state.json").write_text(json.dumps(doc, indent=2))
         for f in FILES:
             _fsync(tmp / f)
-        manifest = {"files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}}
+        manifest = {
+            "files": {
+                f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES
+            }
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: marks completeness
         for p in (tmp / MANIFEST, tmp / "drafter", tmp):
             _fsync(p)
@@ -132,13 +139,20 @@ def verify_checkpoint(path: str | Path) -> None:
         raise CheckpointError(f"checkpoint {path} does not exist (a save that never completed?)")
     man = path / MANIFEST
     if not man.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete save); refusing to load it")
+        raise CheckpointError(
+            f"checkpoint {path} has no {MANIFEST} (incomplete save); refusing to load it"
+        )
     try:
         doc = json.loads(man.read_text())
         # {"files": {name: {"bytes", "sha256"}}}; checkpoints before sizes were recorded: {name: sha256}
-        expected = {f: (e if isinstance(e, dict) else {"sha256": e}) for f, e in doc.get("files", doc).items()}
+        expected = {
+            f: (e if isinstance(e, dict) else {"sha256": e})
+            for f, e in doc.get("files", doc).items()
+        }
     except (ValueError, AttributeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e}); refusing to load it") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} is unreadable ({e}); refusing to load it"
+        ) from None
     for f in FILES:
         file, want = path / f, expected.get(f)
         if want is None:
@@ -147,12 +161,18 @@ def verify_checkpoint(path: str | Path) -> None:
             raise CheckpointError(f"checkpoint {path}: {f} is missing")
         size = file.stat().st_size
         if "bytes" in want and size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: {f} is truncated or padded ({size} bytes, manifest says {want['bytes']})")
+            raise CheckpointError(
+                f"checkpoint {path}: {f} is truncated or padded ({size} bytes, manifest says {want['bytes']})"
+            )
         if _sha256(file) != want.get("sha256"):
-            raise CheckpointError(f"checkpoint {path}: {f} does not match its sha256 in {MANIFEST} (corrupt)")
+            raise CheckpointError(
+                f"checkpoint {path}: {f} does not match its sha256 in {MANIFEST} (corrupt)"
+            )
 
 
-def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
+def load_checkpoint(
+    path: str | Path, target: Target, optimizer_factory
+) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
     """Verify, then load (drafter, optimizer built by `optimizer_factory(drafter)`, trainer state).
 
     The factory may wrap the drafter first (DDP, or FSDP in place): the saved optimizer state
@@ -166,7 +186,9 @@ def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tupl
         doc = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "optimizer.safetensors"), device=str(target.device))
 
-        def name(pid: str | int) -> str:  # older checkpoints: the parameter's index in the optimizer
+        def name(
+            pid: str | int,
+        ) -> str:  # older checkpoints: the parameter's index in the optimizer
             return trainable[int(pid)] if str(pid).isdigit() else pid
 
         per_param: dict[str, dict] = {}
@@ -175,7 +197,13 @@ def load_checkpoint(path: str | Path, target: Target, optimizer_factory) -> tupl
             per_param.setdefault(name(pid), {})[item] = val
         groups = [g | {"params": [name(p) for p in g["params"]]} for g in doc["param_groups"]]
         load_optimizer_state(drafter, optimizer, {"state": per_param, "param_groups": groups})
-    except (SafetensorError, ValueError, KeyError, IndexError, RuntimeError) as e:  # verified but unusable
+    except (
+        SafetensorError,
+        ValueError,
+        KeyError,
+        IndexError,
+        RuntimeError,
+    ) as e:  # verified but unusable
         raise CheckpointError(f"checkpoint {path} is complete but cannot be loaded: {e}") from e
     return drafter, optimizer, doc["trainer"]
 
@@ -188,12 +216,22 @@ def _older_checkpoints(ckpt: ray.train.Checkpoint) -> list[ray.train.Checkpoint]
         infos = ckpt.filesystem.get_file_info(FileSelector(parent))
     except OSError:
         return []
-    older = [i.path for i in infos if i.type == FileType.Directory and i.base_name.startswith("checkpoint_")
-             and i.base_name < name]
-    return [ray.train.Checkpoint(path, filesystem=ckpt.filesystem) for path in sorted(older, reverse=True)]
+    older = [
+        i.path
+        for i in infos
+        if i.type == FileType.Directory
+        and i.base_name.startswith("checkpoint_")
+        and i.base_name < name
+    ]
+    return [
+        ray.train.Checkpoint(path, filesystem=ckpt.filesystem)
+        for path in sorted(older, reverse=True)
+    ]
 
 
-def restore_checkpoint(ckpt: ray.train.Checkpoint, target: Target, make_optimizer) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
+def restore_checkpoint(
+    ckpt: ray.train.Checkpoint, target: Target, make_optimizer
+) -> tuple[DrafterNet, torch.optim.Optimizer, dict]:
     """Load Ray's latest checkpoint; if it fails verification (a partial upload, a damaged
     file), the newest older one of the run that verifies. Never loads an unverified one:
     with none left it raises `CheckpointError` listing what was wrong with each."""
@@ -207,6 +245,10 @@ def restore_checkpoint(ckpt: ray.train.Checkpoint, target: Target, make_optimize
             logger.warning("skipping unusable checkpoint %s: %s", candidate.path, e)
             continue
         if problems:
-            logger.warning("resuming from the older checkpoint %s (newer ones are unusable)", candidate.path)
+            logger.warning(
+                "resuming from the older checkpoint %s (newer ones are unusable)", candidate.path
+            )
         return loaded
-    raise CheckpointError(f"no usable checkpoint to resume from (latest: {ckpt.path}): " + " | ".join(problems))
+    raise CheckpointError(
+        f"no usable checkpoint to resume from (latest: {ckpt.path}): " + " | ".join(problems)
+    )

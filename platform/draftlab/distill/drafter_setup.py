@@ -15,7 +15,9 @@ from draftlab.models.drafters.p_eagle import resolve_aux_layers
 from draftlab.models.target import Target
 
 
-def frequent_tokens(train: datasets.Dataset, n: int, vocab: int, always: frozenset[int]) -> torch.Tensor:
+def frequent_tokens(
+    train: datasets.Dataset, n: int, vocab: int, always: frozenset[int]
+) -> torch.Tensor:
     """VocabTrim: the n most frequent response tokens (plus EOS), sorted by id.
 
     Slots left once every response token is in (small data sets use a few thousand distinct
@@ -39,14 +41,25 @@ def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -
     if spec.init_from:
         drafter = load_drafter(spec.init_from, target)
     else:
-        drafter = init_drafter(spec.family, target, k=spec.k, depth=spec.depth, seed=cfg.train.seed,
-                               vocab_size=spec.vocab_size, aux_layers=spec.aux_layers)
+        drafter = init_drafter(
+            spec.family,
+            target,
+            k=spec.k,
+            depth=spec.depth,
+            seed=cfg.train.seed,
+            vocab_size=spec.vocab_size,
+            aux_layers=spec.aux_layers,
+        )
         if spec.vocab_size:
-            drafter.set_vocab(frequent_tokens(train, spec.vocab_size, target.vocab_size, target.eos_token_ids))
+            drafter.set_vocab(
+                frequent_tokens(train, spec.vocab_size, target.vocab_size, target.eos_token_ids)
+            )
     return drafter.float().train()  # float32 master weights (autocast does the bf16 math)
 
 
-def usable_features(data: datasets.Dataset, cfg: DistillConfig, target: Target, drafter: DrafterNet) -> datasets.Dataset:
+def usable_features(
+    data: datasets.Dataset, cfg: DistillConfig, target: Target, drafter: DrafterNet
+) -> datasets.Dataset:
     """`data` without its cached features when they are not the ones `drafter` fuses (another
     `aux_layers`): training then runs the target for them. A last-state family reads the
     last columns of any cache."""

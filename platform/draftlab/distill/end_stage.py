@@ -33,7 +33,9 @@ def main(argv: list[str]) -> int:
     drafter = load_drafter(out_dir, target)
     evalset = None  # read only for the bench (a run without it prices the curve alone)
     if cfg.bench.enabled:
-        evalset = usable_features(training_view(datasets.load_from_disk(req["data_path"]))["eval"], cfg, target, drafter)
+        evalset = usable_features(
+            training_view(datasets.load_from_disk(req["data_path"]))["eval"], cfg, target, drafter
+        )
     curve, report = curve_and_tree(cfg, drafter, target, evalset, req["evaluations"], out_dir)
     Path(req["result"]).write_text(json.dumps({"curve": curve, "report": report}))
     return 0

@@ -73,16 +73,29 @@ def _sum_over_ranks(stats: Stats) -> Stats:
     if _rank_world()[1] == 1:
         return stats
     k = stats.k
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([stats.loss, *stats.nodes, *stats.agree, *stats.kl], dtype=torch.float64, device=device)  # (1 + 3k,)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    t = torch.tensor(
+        [stats.loss, *stats.nodes, *stats.agree, *stats.kl], dtype=torch.float64, device=device
+    )  # (1 + 3k,)
     dist.all_reduce(t)
     v = t.tolist()
-    return Stats(k, loss=v[0], nodes=[round(x) for x in v[1 : 1 + k]], agree=[round(x) for x in v[1 + k : 1 + 2 * k]],
-                 kl=v[1 + 2 * k :])
+    return Stats(
+        k,
+        loss=v[0],
+        nodes=[round(x) for x in v[1 : 1 + k]],
+        agree=[round(x) for x in v[1 + k : 1 + 2 * k]],
+        kl=v[1 + 2 * k :],
+    )
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, target: Target, evalset: datasets.Dataset, cfg: DistillConfig, k: int) -> Stats:
+def evaluate(
+    model: torch.nn.Module, target: Target, evalset: datasets.Dataset, cfg: DistillConfig, k: int
+) -> Stats:
     """Held-out per-position top-1 agreement (no drop-token: every depth of every anchor).
 
     `model`: the DistillModule as trained (DDP- or FSDP-wrapped). Sharded over the ranks:
@@ -102,7 +115,9 @@ def evaluate(model: torch.nn.Module, target: Target, evalset: datasets.Dataset, 
         batch = collate(rows, k, cfg.train.max_seq_len, False, None).to(target.device)
         with autocast(cfg, target.device):
             feats = teacher_states(target, batch, drafter.cfg.aux_layers)
-            batch_stats = loss_and_backward(model, drafter, batch, feats, cfg.train, k, backward=False)
+            batch_stats = loss_and_backward(
+                model, drafter, batch, feats, cfg.train, k, backward=False
+            )
         if j < n_batches:
             stats.add(batch_stats)
     model.train()

@@ -157,7 +157,9 @@ def build_group_layout(
     )
 
 
-def group_attend(anchor: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+def group_attend(
+    anchor: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor | None = None
+) -> torch.Tensor:
     """The group mask from the nodes' (anchor, depth): (..., M) -> (..., M, M) bool.
 
     ``attend[..., i, j]`` iff ``(d_j == 0 and a_j <= a_i) or (a_j == a_i and d_j <= d_i)``.
@@ -173,4 +175,6 @@ def group_attend(anchor: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Ten
     idx = torch.arange(anchor.shape[-1], device=anchor.device)  # (M,)
     real = idx < num_nodes[..., None]  # (..., M)
     attend = attend & real[..., :, None] & real[..., None, :]  # (..., M, M) real nodes only
-    return attend | (~real[..., :, None] & torch.eye(idx.numel(), dtype=torch.bool, device=idx.device))  # pad: self
+    return attend | (
+        ~real[..., :, None] & torch.eye(idx.numel(), dtype=torch.bool, device=idx.device)
+    )  # pad: self

@@ -44,22 +44,33 @@ def train_and_publish(config: dict) -> dict:
     if not is_uri(dest):
         return train_fn_per_worker(config)
     with tempfile.TemporaryDirectory(prefix="draftlab-drafter-") as staging:
-        summary = train_fn_per_worker(payload.model_copy(update={"output_dir": staging}).model_dump())
+        summary = train_fn_per_worker(
+            payload.model_copy(update={"output_dir": staging}).model_dump()
+        )
         if ray.train.get_context().get_world_rank() == 0:
             publish(staging, dest)
     return summary
 
 
 def build_trainer(
-    cfg: DistillConfig, data_path: str, mlflow_run_id: str | None, tracking_uri: str | None, callbacks: list | None = None
+    cfg: DistillConfig,
+    data_path: str,
+    mlflow_run_id: str | None,
+    tracking_uri: str | None,
+    callbacks: list | None = None,
 ) -> TorchTrainer:
     """`callbacks`: Ray Train `UserCallback`s (a Tune trial passes `TuneReportCallback`)."""
     sc = cfg.scaling
     return TorchTrainer(
         train_and_publish,
         # a plain dict (Ray Train's contract): the worker validates it back (`train_fn_per_worker`)
-        train_loop_config=WorkerPayload(cfg=cfg, data_path=data_path, mlflow_run_id=mlflow_run_id,
-                                        tracking_uri=tracking_uri, output_dir=output_dir(cfg)).model_dump(),
+        train_loop_config=WorkerPayload(
+            cfg=cfg,
+            data_path=data_path,
+            mlflow_run_id=mlflow_run_id,
+            tracking_uri=tracking_uri,
+            output_dir=output_dir(cfg),
+        ).model_dump(),
         scaling_config=ray.train.ScalingConfig(
             num_workers=sc.num_workers,
             use_gpu=sc.use_gpu,
@@ -95,35 +106,68 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
 
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     limit = cfg.tracking.max_outage_s
-    tracker = Tracker(tracking_uri=tracking_uri, experiment=cfg.tracking.experiment, run_id=None, enabled=True,
-                      max_buffer_seconds=limit, max_outage_s=limit)
+    tracker = Tracker(
+        tracking_uri=tracking_uri,
+        experiment=cfg.tracking.experiment,
+        run_id=None,
+        enabled=True,
+        max_buffer_seconds=limit,
+        max_outage_s=limit,
+    )
     run_id = tracker.start_or_resume(
-        cfg.name, tags={"draftlab.kind": "distill", "draftlab.target": cfg.target.name, "draftlab.family": cfg.drafter.family,
-                        **parent_tags(cfg.tracking.parent_run_id)}
+        cfg.name,
+        tags={
+            "draftlab.kind": "distill",
+            "draftlab.target": cfg.target.name,
+            "draftlab.family": cfg.drafter.family,
+            **parent_tags(cfg.tracking.parent_run_id),
+        },
     )
     tracker.log_params(cfg.model_dump())
-    tracker.log_params({"data.cache_path": str(data_path), "data.train_samples": len(data["train"]),
-                        "data.eval_samples": len(data["eval"])})
+    tracker.log_params(
+        {
+            "data.cache_path": str(data_path),
+            "data.train_samples": len(data["train"]),
+            "data.eval_samples": len(data["eval"]),
+        }
+    )
     try:
         result = build_trainer(cfg, str(data_path), run_id, tracking_uri).fit()
     except Exception as e:
         tracker.end("FAILED")
         # Ray's error carries the workers' tracebacks (cut to a snippet); an MLflow outage past
         # `tracking.max_outage_s` is worth its own plain message.
-        lost = [f for f in getattr(e, "worker_failures", {}).values() if isinstance(f, TrackingUnavailable)]
+        lost = [
+            f
+            for f in getattr(e, "worker_failures", {}).values()
+            if isinstance(f, TrackingUnavailable)
+        ]
         if lost:
             raise TrackingUnavailable(f"distillation {cfg.name!r} stopped: {lost[0]}") from e
         raise
     summary = dict(result.return_value or {})
-    summary |= {"data_seconds": data_seconds, "data_path": str(data_path), "mlflow_run_id": run_id,
-                "drafter_dir": output_dir(cfg), "checkpoint": result.checkpoint.path if result.checkpoint else None}
+    summary |= {
+        "data_seconds": data_seconds,
+        "data_path": str(data_path),
+        "mlflow_run_id": run_id,
+        "drafter_dir": output_dir(cfg),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    }
     tracker.log_metrics_now({"data_seconds": data_seconds}, summary.get("steps", 0))
     if cfg.tracking.register_model:
-        tags = {"k": cfg.drafter.k, "depth": cfg.drafter.depth, "family": cfg.drafter.family,
-                "target": cfg.target.name, "tau": summary.get("tau"), "speedup_vs_ar": summary.get("speedup_vs_ar")}
+        tags = {
+            "k": cfg.drafter.k,
+            "depth": cfg.drafter.depth,
+            "family": cfg.drafter.family,
+            "target": cfg.target.name,
+            "tau": summary.get("tau"),
+            "speedup_vs_ar": summary.get("speedup_vs_ar"),
+        }
         name = registered_name(cfg)
         summary["registered_model"] = name
-        summary["model_version"] = tracker.register_model("drafter", name, {k: str(v) for k, v in tags.items()})
+        summary["model_version"] = tracker.register_model(
+            "drafter", name, {k: str(v) for k, v in tags.items()}
+        )
     tracker.end("FINISHED")
     return summary
 

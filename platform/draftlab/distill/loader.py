@@ -21,8 +21,14 @@ from draftlab.distill.batching import Batch, collate
 
 
 def epoch_batches(
-    n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int,
-    lengths: list[int] | None = None, window: int = 0,
+    n: int,
+    batch_size: int,
+    epoch: int,
+    seed: int,
+    rank: int,
+    world: int,
+    lengths: list[int] | None = None,
+    window: int = 0,
 ) -> list[list[int]]:
     """This rank's batches for an epoch: a seeded shuffle, equal counts on every rank.
 
@@ -36,13 +42,21 @@ def epoch_batches(
     grouped = lengths is not None and window > 0
     if grouped and per_rank >= batch_size:
         span = window * batch_size  # a multiple of batch_size: no batch straddles two windows
-        full = per_rank - per_rank % batch_size  # the rows past it are left out, as without grouping
-        mine = [j for s in range(0, full, span) for j in sorted(mine[s : min(s + span, full)], key=lambda j: lengths[j])]
-    batches = [mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)] or (
-        [mine] if mine else []
-    )
+        full = (
+            per_rank - per_rank % batch_size
+        )  # the rows past it are left out, as without grouping
+        mine = [
+            j
+            for s in range(0, full, span)
+            for j in sorted(mine[s : min(s + span, full)], key=lambda j: lengths[j])
+        ]
+    batches = [
+        mine[i : i + batch_size] for i in range(0, per_rank - batch_size + 1, batch_size)
+    ] or ([mine] if mine else [])
     if grouped and len(batches) > 1:  # not short to long within a window
-        shuffle = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch + 7919))  # a stream apart from the rows' shuffle
+        shuffle = torch.randperm(
+            len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch + 7919)
+        )  # a stream apart from the rows' shuffle
         batches = [batches[i] for i in shuffle.tolist()]
     return batches
 
@@ -87,7 +101,14 @@ class TrainStream(IterableDataset):
         t = self.train
         for epoch in range(self.epoch, t.epochs):
             batches = epoch_batches(
-                len(self.data), t.batch_size, epoch, t.seed, self.rank, self.world, self.lengths, t.length_window
+                len(self.data),
+                t.batch_size,
+                epoch,
+                t.seed,
+                self.rank,
+                self.world,
+                self.lengths,
+                t.length_window,
             )
             for i in range(self.start if epoch == self.epoch else 0, len(batches)):
                 rows = [self.data[j] for j in batches[i]]

@@ -29,7 +29,9 @@ def gather_states(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(hidden, 1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
-def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = None) -> torch.Tensor:
+def teacher_states(
+    target: Target, batch: Batch, aux_layers: list[int] | None = None
+) -> torch.Tensor:
     """(B, L, F) target features for `aux_layers` (`Target.features`: the states after the
     aux layers, then the last hidden state), from the cache or from the frozen target. The
     features are the cache's last F columns: all of a matching cache, the last state of a
@@ -38,7 +40,10 @@ def teacher_states(target: Target, batch: Batch, aux_layers: list[int] | None = 
     width = (len(aux) + 1) * target.hidden_size  # F
     if batch.hidden is not None and (not aux or batch.hidden.shape[-1] == width):
         return batch.hidden[..., -width:].to(target.dtype)
-    mask = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None] < batch.lengths[:, None]
+    mask = (
+        torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
+        < batch.lengths[:, None]
+    )
     with torch.inference_mode():
         feats = target.run_decoder(aux, input_ids=batch.input_ids, attention_mask=mask.long())
     return feats.clone()  # clone: leave inference mode for autograd
@@ -50,7 +55,9 @@ def decoder_mask(attend: torch.Tensor, attn_implementation: str) -> torch.Tensor
     if attn_implementation == "sdpa":
         return attend
     neg = torch.finfo(torch.float32).min
-    return torch.zeros(attend.shape, device=attend.device).masked_fill_(~attend, neg)  # (B, 1, M, M)
+    return torch.zeros(attend.shape, device=attend.device).masked_fill_(
+        ~attend, neg
+    )  # (B, 1, M, M)
 
 
 def noisy(states: torch.Tensor, width: int, scale: float) -> torch.Tensor:
@@ -73,7 +80,9 @@ class DistillModule(nn.Module):
         if self.training and self.feature_noise:
             anchor_h = noisy(anchor_h, self.drafter.hidden_size, self.feature_noise)
         x = self.drafter.embed_nodes(batch.node_token, anchor_h, batch.mask_idx)  # (B, M, D)
-        mask = decoder_mask(batch.attention_mask(), self.drafter.decoder.config._attn_implementation)  # (B, 1, M, M)
+        mask = decoder_mask(
+            batch.attention_mask(), self.drafter.decoder.config._attn_implementation
+        )  # (B, 1, M, M)
         return self.drafter(x, batch.position_ids, attention_mask=mask)  # (B, M, H)
 
 
@@ -114,7 +123,11 @@ class Stats:
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = {f"{prefix}/acc_pos{d + 1}": a for d, a in enumerate(self.accuracy)}
-        out |= {f"{prefix}/kl_pos{d + 1}": kl / n for d, (kl, n) in enumerate(zip(self.kl, self.nodes, strict=True)) if n}
+        out |= {
+            f"{prefix}/kl_pos{d + 1}": kl / n
+            for d, (kl, n) in enumerate(zip(self.kl, self.nodes, strict=True))
+            if n
+        }
         out[f"{prefix}/sim_accept_len"] = self.sim_accept_len
         return out
 
@@ -143,10 +156,14 @@ def distill_terms(
     hit = None
     if ce:
         has = label_row >= 0  # (N,)
-        hit = torch.arange(z.shape[-1], device=z.device) == label_row[:, None]  # (N, V) one-hot (none: all False)
+        hit = (
+            torch.arange(z.shape[-1], device=z.device) == label_row[:, None]
+        )  # (N, V) one-hot (none: all False)
         xent = torch.where(has, -(q_logp * hit).sum(-1), 0.0)
     kl = torch.linalg.vecdot(p, p_logp.sub_(q_logp))  # (N,) sum_v p (log p - log q)
-    agree = z.max(-1).indices == t.max(-1).indices  # (N,); max, not argmax: the same first index, faster on CPU
+    agree = (
+        z.max(-1).indices == t.max(-1).indices
+    )  # (N,); max, not argmax: the same first index, faster on CPU
     if grad_dtype is None:
         return kl, xent, agree, None
     q = q_logp.exp_()  # (N, V), in place: eager training makes few (N, V) temporaries
@@ -186,13 +203,24 @@ def node_losses(
         scale = torch.tensor([cfg.kl_weight, cfg.ce_weight], device=z.device) / n_total  # (2,)
         head = drafter.head_weight  # (Vt, H)
         kl, xent, agree, grad_z = (compiled_terms() if cfg.compile_loss else distill_terms)(
-            z, t, drafter.head_rows(label), scale, bool(cfg.ce_weight), head.dtype if backward else None
+            z,
+            t,
+            drafter.head_rows(label),
+            scale,
+            bool(cfg.ce_weight),
+            head.dtype if backward else None,
         )
-        grad_out = None if grad_z is None else (grad_z @ head).to(out.dtype)  # (N, H): z = out @ head.T
+        grad_out = (
+            None if grad_z is None else (grad_z @ head).to(out.dtype)
+        )  # (N, H): z = out @ head.T
         if full_vocab_agreement:
             full = drafter.target_head_weight  # (V, H)
-            want = torch.nn.functional.linear(teacher_h.to(full.dtype), full).argmax(-1)  # (N,) target ids
-            agree = drafter.head_rows(want) == z.float().argmax(-1)  # a trimmed-away target token (-1) never agrees
+            want = torch.nn.functional.linear(teacher_h.to(full.dtype), full).argmax(
+                -1
+            )  # (N,) target ids
+            agree = drafter.head_rows(want) == z.float().argmax(
+                -1
+            )  # a trimmed-away target token (-1) never agrees
     return cfg.kl_weight * kl + cfg.ce_weight * xent, kl, agree, grad_out
 
 
@@ -213,7 +241,9 @@ def loss_and_backward(
     sel = batch.loss_mask  # (B, M)
     n_total = max(int(sel.sum()), 1)
     flat_out = out.detach()[sel]  # (N, H): the loss runs on detached outputs, chunk by chunk
-    teacher = gather_states(hidden[..., -out.shape[-1] :], batch.teacher_idx)[sel]  # (N, H) last hidden states
+    teacher = gather_states(hidden[..., -out.shape[-1] :], batch.teacher_idx)[
+        sel
+    ]  # (N, H) last hidden states
     label, depth = batch.label[sel], batch.depth[sel]  # (N,), (N,)
     stats = Stats(k)
     grads = []
@@ -221,7 +251,14 @@ def loss_and_backward(
         o = flat_out[s : s + CHUNK_NODES]
         t_h, d = teacher[s : s + CHUNK_NODES], depth[s : s + CHUNK_NODES]
         loss, kl, agree, g = node_losses(
-            drafter, o, t_h, label[s : s + CHUNK_NODES], cfg, n_total, backward, full_vocab_agreement=not backward
+            drafter,
+            o,
+            t_h,
+            label[s : s + CHUNK_NODES],
+            cfg,
+            n_total,
+            backward,
+            full_vocab_agreement=not backward,
         )
         if cfg.feature_weight:  # EAGLE feature regression: depth-0 output ~ next target state
             o = o.requires_grad_(backward)

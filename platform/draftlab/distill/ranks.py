@@ -20,11 +20,15 @@ from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target
 
 
-def _target_ranks(drafter: DrafterNet, target: Target, out: torch.Tensor, teacher_h: torch.Tensor) -> torch.Tensor:
+def _target_ranks(
+    drafter: DrafterNet, target: Target, out: torch.Tensor, teacher_h: torch.Tensor
+) -> torch.Tensor:
     """(N,) rank of the target's greedy token among the drafter's logits, chunk by chunk."""
     ranks = []
     for s in range(0, out.shape[0], CHUNK_NODES):
-        want = target.lm_head(teacher_h[s : s + CHUNK_NODES]).argmax(-1)  # (n,) full-vocab greedy token
+        want = target.lm_head(teacher_h[s : s + CHUNK_NODES]).argmax(
+            -1
+        )  # (n,) full-vocab greedy token
         logits = drafter.logits(out[s : s + CHUNK_NODES])  # (n, V), trimmed ids = -inf
         mine = logits.gather(-1, want[:, None])  # (n, 1)
         ranks.append((logits > mine).sum(-1))  # (n,); a trimmed-away token ranks last
@@ -72,7 +76,9 @@ def rank_tables(
         rank = _target_ranks(drafter, target, out[sel], teacher[sel]).cpu()  # (N,)
         b_idx = torch.arange(sel.shape[0], device=sel.device)[:, None].expand_as(sel)[sel].cpu()
         anchor, depth = batch.node_anchor[sel].cpu(), batch.depth[sel].cpu()
-        table = torch.full((sel.shape[0], batch.input_ids.shape[1], k), -1, dtype=torch.long)  # (B, L, k)
+        table = torch.full(
+            (sel.shape[0], batch.input_ids.shape[1], k), -1, dtype=torch.long
+        )  # (B, L, k)
         table[b_idx, anchor, depth] = rank
         tables += [table[b, : int(n) - 1] for b, n in enumerate(batch.lengths.cpu())]
     return tables
@@ -82,5 +88,10 @@ def acceptance_rates(tables: list[torch.Tensor], max_ranks: int) -> list[list[fl
     """(k, max_ranks) conditional acceptance rates acc[d][r] (see the module docstring) of
     `rank_tables`' output."""
     k = tables[0].shape[1] if tables else 1
-    hits, reach = conditional_rates(torch.cat(tables) if tables else torch.zeros(0, k, dtype=torch.long), max_ranks)
-    return [[float(hits[d, r]) / int(reach[d]) if reach[d] else 0.0 for r in range(max_ranks)] for d in range(k)]
+    hits, reach = conditional_rates(
+        torch.cat(tables) if tables else torch.zeros(0, k, dtype=torch.long), max_ranks
+    )
+    return [
+        [float(hits[d, r]) / int(reach[d]) if reach[d] else 0.0 for r in range(max_ranks)]
+        for d in range(k)
+    ]

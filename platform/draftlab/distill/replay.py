@@ -79,14 +79,18 @@ def _matched(branch: list[int], truth: list[int]) -> int:
     )
 
 
-def _carried_on(lookup: NgramIndex, truth: list[int], ranks: list[int], firsts: set[int]) -> tuple[int, int]:
+def _carried_on(
+    lookup: NgramIndex, truth: list[int], ranks: list[int], firsts: set[int]
+) -> tuple[int, int]:
     """(accepted depth, rows) of the lookups carrying on the likeliest path's prefixes
     (`carried_depths`) and the other first-position candidates carried on (`firsts`: their
     ranks)."""
     depth, rows = 0, 0
     for d in carried_depths(lookup.spec, len(ranks)):
         after = lookup.propose_after(truth[:d])
-        rows += len(after) * (1 + len(firsts) if d == 1 else 1)  # x_1's lookup stands in for every first's
+        rows += len(after) * (
+            1 + len(firsts) if d == 1 else 1
+        )  # x_1's lookup stands in for every first's
         if after and (all(r == 0 for r in ranks[:d]) or (d == 1 and ranks[0] in firsts)):
             depth = max(depth, d + _matched(after, truth[d:]))
     return depth, rows
@@ -103,8 +107,14 @@ def replay(
     """Walk every row's response with `tree` (grafting `ngram` lookups, in the text and
     then in `store`, when given)."""
     paths = set(tree.paths)
-    others = sorted(p[0] for p in paths if len(p) == 1 and p[0] != 0)  # the tree's other firsts' ranks
-    firsts = set(others[: ngram.extend_firsts]) if ngram is not None and ngram.extend_from == 1 else set()
+    others = sorted(
+        p[0] for p in paths if len(p) == 1 and p[0] != 0
+    )  # the tree's other firsts' ranks
+    firsts = (
+        set(others[: ngram.extend_firsts])
+        if ngram is not None and ngram.extend_from == 1
+        else set()
+    )
     out = Replay()
     for table, row in zip(tables, rows, strict=True):
         ids, p = list(row["input_ids"])[: table.shape[0] + 1], int(row["prompt_len"])
@@ -115,7 +125,9 @@ def replay(
             by_tree = _tree_depth(ranks[p - 1], paths)
             branch = lookup.propose() if lookup is not None else []
             by_lookup = _matched(branch, truth)
-            by_path, path_rows = _carried_on(lookup, truth, ranks[p - 1], firsts) if lookup is not None else (0, 0)
+            by_path, path_rows = (
+                _carried_on(lookup, truth, ranks[p - 1], firsts) if lookup is not None else (0, 0)
+            )
             step = min(max(by_tree, by_lookup, by_path) + 1, len(truth))
             out.ms += cost.draft_ms + cost.verify_ms + path_rows * cost.carried_row_ms
             if branch:

@@ -27,7 +27,9 @@ class TrainState:
     batch: int = 0
     elapsed_s: float = 0.0  # training seconds over every attempt, as of the last checkpoint
     tokens: int = 0  # response tokens trained on
-    evaluations: list[dict] = field(default_factory=list)  # the training curve; older checkpoints lack it
+    evaluations: list[dict] = field(
+        default_factory=list
+    )  # the training curve; older checkpoints lack it
 
 
 @dataclass

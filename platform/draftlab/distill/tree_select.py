@@ -58,7 +58,9 @@ def select_tree(
     with depth. With `ngram`, every candidate is scored with grafted prompt lookups (from
     the text, then from `store`) and the chosen tree carries them.
     """
-    tables, acc, extrapolated = _held_out_acceptance(drafter, target, rows, k, max_ranks, depth or k)
+    tables, acc, extrapolated = _held_out_acceptance(
+        drafter, target, rows, k, max_ranks, depth or k
+    )
     tables = extrapolate(tables, acc)
     trees: dict[tuple, Tree] = {}
     for n in sorted(set(budgets)):
@@ -66,17 +68,25 @@ def select_tree(
         trees.setdefault(tree.paths, tree)  # budgets past the useful paths give the same tree
     candidates = list(trees.values())
     grafted = [_with_branch(t, ngram.tokens) for t in candidates] if ngram else []
-    twice = [_with_branch(t, ngram.tokens, token=2) for t in grafted]  # the first branch now tree rows
+    twice = [
+        _with_branch(t, ngram.tokens, token=2) for t in grafted
+    ]  # the first branch now tree rows
     decode, *verify = verify_ms(target, [None, *candidates, *grafted, *twice], context, repeats)
     n = len(candidates)
-    plain, with_branch, with_two = verify[:n], verify[n : 2 * n] or verify[:n], verify[2 * n :] or verify[:n]
+    plain, with_branch, with_two = (
+        verify[:n],
+        verify[n : 2 * n] or verify[:n],
+        verify[2 * n :] or verify[:n],
+    )
     drafting = {
         d: draft_ms(drafter, d, context, repeats) for d in sorted({t.depth for t in candidates})
     }
     table, chosen = [], []
     for tree, v, vb, vb2 in zip(candidates, plain, with_branch, with_two, strict=True):
         row_ms = max(0.0, vb - v) / ngram.tokens if ngram else 0.0
-        tree_row_ms = max(row_ms, (vb2 - vb) / ngram.tokens) if ngram else 0.0  # rows off the leading chain
+        tree_row_ms = (
+            max(row_ms, (vb2 - vb) / ngram.tokens) if ngram else 0.0
+        )  # rows off the leading chain
         for spec in _lookup_options(ngram, store, tree.depth):
             cost = RoundCost(drafting[tree.depth], v, row_ms, tree_row_ms)
             run = replay(tables, rows, tree, cost, spec, store)
@@ -116,16 +126,25 @@ STORE_TOKENS = (0, 2, 3, 5)  # store branch lengths the search tries (0: the tex
 EXTEND = (0, 2, 4)  # lengths of the lookups carrying on the likeliest path the search tries
 
 
-def _lookup_options(ngram: NgramSpec | None, store: NgramStore | None, depth: int) -> list[NgramSpec | None]:
+def _lookup_options(
+    ngram: NgramSpec | None, store: NgramStore | None, depth: int
+) -> list[NgramSpec | None]:
     """The lookup settings a `depth`-deep tree is replayed with: none, or `ngram` with each
     length of the lookups carrying on the likeliest path (every prefix of it, or its whole
     `depth` alone), and (with a store) each store branch length up to `ngram.tokens`."""
     if ngram is None:
         return [None]
-    lengths = sorted({min(t, ngram.tokens) for t in STORE_TOKENS}) if store is not None else [ngram.store_tokens]
+    lengths = (
+        sorted({min(t, ngram.tokens) for t in STORE_TOKENS})
+        if store is not None
+        else [ngram.store_tokens]
+    )
     carry = [(0, 1)] + [(e, start) for e in EXTEND if e for start in sorted({1, depth})]
-    return [ngram.model_copy(update={"store_tokens": t, "extend": e, "extend_from": start})
-            for t in lengths for e, start in carry]
+    return [
+        ngram.model_copy(update={"store_tokens": t, "extend": e, "extend_from": start})
+        for t in lengths
+        for e, start in carry
+    ]
 
 
 def _with_branch(tree: Topology, tokens: int, token: int = 1) -> Topology:
@@ -158,8 +177,9 @@ def save_acceptance(
     acceptance (what `searched-<n>` trees are built from), no timing and no `tree.json`.
     A sweep measures its trees' speed instead of predicting it."""
     rows = [evalset[i] for i in range(len(evalset))]
-    _, acc, extrapolated = _held_out_acceptance(drafter, target, rows, drafter.groups, cfg.bench.search_ranks,
-                                               cfg.drafter.k)
+    _, acc, extrapolated = _held_out_acceptance(
+        drafter, target, rows, drafter.groups, cfg.bench.search_ranks, cfg.drafter.k
+    )
     path = Path(out_dir) / "tree-search.json"
     path.write_text(
         json.dumps({"acceptance": acc, "extrapolated_depths": extrapolated}, indent=2) + "\n"

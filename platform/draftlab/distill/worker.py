@@ -115,28 +115,38 @@ class DistillRecipe:
         )
         train, evalset = data["train"], data["eval"]
         self._setup_drafter(train)
-        self.train_set, self.evalset = (usable_features(d, cfg, self.target, self.drafter) for d in (train, evalset))
+        self.train_set, self.evalset = (
+            usable_features(d, cfg, self.target, self.drafter) for d in (train, evalset)
+        )
         self._setup_batches()
 
     def _make_optimizer(self, drafter: DrafterNet) -> torch.optim.Optimizer:
         """Wrap `drafter` for data parallelism (FSDP shards it in place), then AdamW over the
         wrapped parameters (under FSDP: this rank's shards)."""
         cfg = self.cfg
-        self.model = wrap_model(DistillModule(drafter, cfg.train.feature_noise), cfg.scaling.strategy, self.world)
+        self.model = wrap_model(
+            DistillModule(drafter, cfg.train.feature_noise), cfg.scaling.strategy, self.world
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
+        return torch.optim.AdamW(
+            params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95)
+        )
 
     def _setup_drafter(self, train: datasets.Dataset) -> None:
         """The drafter, its wrapped model and optimizer, the grad scaler and the trainer state:
         restored from Ray's latest checkpoint when there is one (the resume), else new."""
         ckpt = ray.train.get_checkpoint()
         if ckpt:
-            self.drafter, self.optimizer, saved = restore_checkpoint(ckpt, self.target, self._make_optimizer)
+            self.drafter, self.optimizer, saved = restore_checkpoint(
+                ckpt, self.target, self._make_optimizer
+            )
         else:
             self.drafter = build_drafter(self.cfg, self.target, train)
             self.optimizer = self._make_optimizer(self.drafter)
             saved = {}
-        self.params = [p for p in self.model.parameters() if p.requires_grad]  # what the optimizer steps (FSDP: shards)
+        self.params = [
+            p for p in self.model.parameters() if p.requires_grad
+        ]  # what the optimizer steps (FSDP: shards)
         self.k = self.drafter.groups  # training groups per packed position
         self.sharded = is_sharded(self.model)
         self.scaler = grad_scaler(self.precision, self.device)
@@ -155,11 +165,15 @@ class DistillRecipe:
         """This rank's batch stream from the saved data position, the step and time budgets,
         and the clocks."""
         cfg, state = self.cfg.train, self.state
-        per_epoch = len(epoch_batches(len(self.train_set), cfg.batch_size, 0, cfg.seed, self.rank, self.world))
+        per_epoch = len(
+            epoch_batches(len(self.train_set), cfg.batch_size, 0, cfg.seed, self.rank, self.world)
+        )
         self.total_steps = max(1, per_epoch * cfg.epochs)
         self.budget_s = cfg.time_budget_minutes * 60 if cfg.time_budget_minutes else float("inf")
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank * 104729 + state.step)
-        stream = TrainStream(self.train_set, self.k, cfg, self.rank, self.world, state.epoch, state.batch, gen)
+        stream = TrainStream(
+            self.train_set, self.k, cfg, self.rank, self.world, state.epoch, state.batch, gen
+        )
         self.batches = batch_stream(stream, self.device, cfg.prefetch)
         self.tokens0 = state.tokens
         self.t_start, self.elapsed0 = time.perf_counter(), state.elapsed_s
@@ -206,22 +220,35 @@ class DistillRecipe:
         batch = item.batch
         state.epoch, state.batch = item.epoch, item.index
         for g in self.optimizer.param_groups:
-            g["lr"] = cfg.lr * lr_factor(state.step, cfg.warmup_steps, self.total_steps, self.elapsed / self.budget_s)
+            g["lr"] = cfg.lr * lr_factor(
+                state.step, cfg.warmup_steps, self.total_steps, self.elapsed / self.budget_s
+            )
         scaler = self.scaler
         with autocast_context(self.precision, self.device):
             clock.append(time.perf_counter())
             feats = teacher_states(self.target, batch, self.drafter.cfg.aux_layers)
             clock.append(time.perf_counter())
-            stats = loss_and_backward(self.model, self.drafter, batch, feats, cfg, self.k,
-                                      scaler=scaler if scaler.is_enabled() else None)
+            stats = loss_and_backward(
+                self.model,
+                self.drafter,
+                batch,
+                feats,
+                cfg,
+                self.k,
+                scaler=scaler if scaler.is_enabled() else None,
+            )
             clock.append(time.perf_counter())
         scaler.unscale_(self.optimizer)  # fp16: true gradients before clipping (otherwise a no-op)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # FSDP: the global norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, cfg.grad_clip
+        )  # FSDP: the global norm
         scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         clock.append(time.perf_counter())
-        for name, t0, t1 in zip(PHASES, clock[:-1], clock[1:], strict=True):  # on GPU: launch times unless synced
+        for name, t0, t1 in zip(
+            PHASES, clock[:-1], clock[1:], strict=True
+        ):  # on GPU: launch times unless synced
             window.seconds[name] += t1 - t0
             self.step_seconds[name] += t1 - t0
         state.step += 1
@@ -238,12 +265,19 @@ class DistillRecipe:
         cfg, window = self.cfg.train, self.window
         dt = time.perf_counter() - window.started
         tps = window.tokens / dt if dt else 0.0
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
+        norm = (
+            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        )  # FSDP: a DTensor
         self.tracker.buffer_metrics(
-            {"loss": window.stats.loss / cfg.log_every, "lr": self.optimizer.param_groups[0]["lr"],
-             "grad_norm": float(norm), "train/tokens_per_s_worker": tps,
-             "train/tokens_per_s_total": all_ranks_sum(tps, self.device), **window.stats.metrics("train"),
-             **{f"train/ms_{n}": 1000 * v / cfg.log_every for n, v in window.seconds.items()}},
+            {
+                "loss": window.stats.loss / cfg.log_every,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "grad_norm": float(norm),
+                "train/tokens_per_s_worker": tps,
+                "train/tokens_per_s_total": all_ranks_sum(tps, self.device),
+                **window.stats.metrics("train"),
+                **{f"train/ms_{n}": 1000 * v / cfg.log_every for n, v in window.seconds.items()},
+            },
             self.state.step,
         )
         self.window = LogWindow(Stats(self.k))
@@ -255,14 +289,30 @@ class DistillRecipe:
         stats = evaluate(self.model, self.target, self.evalset, self.cfg, self.k)
         self.last_eval = Evaluation(state.step, stats, stats.metrics("eval"))
         minutes = self._clock() / 60
-        state.evaluations.append({"step": state.step, "minutes": minutes, "tokens": state.tokens,
-                                  "sim_accept_len": stats.sim_accept_len, "accuracy": stats.accuracy})
+        state.evaluations.append(
+            {
+                "step": state.step,
+                "minutes": minutes,
+                "tokens": state.tokens,
+                "sim_accept_len": stats.sim_accept_len,
+                "accuracy": stats.accuracy,
+            }
+        )
         self.tracker.buffer_metrics(self.last_eval.metrics, state.step)
-        if self.rank == 0:  # the run's progress line: Ray Train's worker log, forwarded to the driver's console
+        if (
+            self.rank == 0
+        ):  # the run's progress line: Ray Train's worker log, forwarded to the driver's console
             budget = f" of {self.budget_s / 60:.0f}" if math.isfinite(self.budget_s) else ""
-            log.info("%s: step %d, %.1f%s min, %.2f M tokens: held-out sim. accept len %.3f, agreement %s",
-                     self.cfg.name, state.step, minutes, budget, state.tokens / 1e6, stats.sim_accept_len,
-                     " / ".join(f"{a:.3f}" for a in stats.accuracy))
+            log.info(
+                "%s: step %d, %.1f%s min, %.2f M tokens: held-out sim. accept len %.3f, agreement %s",
+                self.cfg.name,
+                state.step,
+                minutes,
+                budget,
+                state.tokens / 1e6,
+                stats.sim_accept_len,
+                " / ".join(f"{a:.3f}" for a in stats.accuracy),
+            )
 
     def checkpoint(self, final: bool = False) -> dict[str, torch.Tensor] | None:
         """Flush metrics, then commit a checkpoint (all ranks report; rank 0 attaches files).
@@ -276,20 +326,34 @@ class DistillRecipe:
         """
         state = self.state
         state.elapsed_s = self._clock()
-        metrics = {"step": state.step, "epoch": state.epoch, "tokens": state.tokens, "final": final,
-                   **self.last_eval.metrics}
+        metrics = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "tokens": state.tokens,
+            "final": final,
+            **self.last_eval.metrics,
+        }
         if final:
             self.tracker.drain()
         else:
             self.tracker.try_flush()
-        weights = full_weights(self.drafter) if self.sharded else None  # every rank: gathers the shards
-        opt_state = optimizer_state(self.drafter, self.optimizer)  # every rank; full tensors on rank 0
+        weights = (
+            full_weights(self.drafter) if self.sharded else None
+        )  # every rank: gathers the shards
+        opt_state = optimizer_state(
+            self.drafter, self.optimizer
+        )  # every rank; full tensors on rank 0
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = None
             if self.rank == 0:
-                saved = {**dataclasses.asdict(state), "tracking": self.tracker.snapshot(),
-                         "grad_scaler": self.scaler.state_dict()}
-                path = save_checkpoint(Path(tmp) / "checkpoint", self.drafter, opt_state, saved, weights=weights)
+                saved = {
+                    **dataclasses.asdict(state),
+                    "tracking": self.tracker.snapshot(),
+                    "grad_scaler": self.scaler.state_dict(),
+                }
+                path = save_checkpoint(
+                    Path(tmp) / "checkpoint", self.drafter, opt_state, saved, weights=weights
+                )
                 checkpoint = ray.train.Checkpoint.from_directory(str(path))
             ray.train.report(metrics, checkpoint=checkpoint)
         return weights
@@ -300,7 +364,9 @@ class DistillRecipe:
         """Evaluate (unless this step was) and commit the final checkpoint; then rank 0
         exports the drafter (`finalize.finish`), logs the summary to MLflow and returns it
         (the other ranks return {})."""
-        if len(self.evalset) and self.last_eval.step != self.state.step:  # not evaluated at this step yet
+        if (
+            len(self.evalset) and self.last_eval.step != self.state.step
+        ):  # not evaluated at this step yet
             self.evaluate()
         weights = self.checkpoint(final=True)
         # DDP replicas must agree; FSDP keeps one sharded copy (nothing to compare)
@@ -308,14 +374,31 @@ class DistillRecipe:
         nodes = all_ranks_gather(ray.get_runtime_context().get_node_id())
         if self.rank != 0:
             return {}
-        exported = unsharded_copy(self.drafter, weights, self.target) if self.sharded else self.drafter
+        exported = (
+            unsharded_copy(self.drafter, weights, self.target) if self.sharded else self.drafter
+        )
         summary = self._summary(exported, digests, nodes)
         out_dir = Path(self.payload.output_dir)
-        summary |= finish(self.cfg, exported, self.target, self.train_set, self.evalset, self.state.evaluations,
-                          out_dir, self.tracker, self.payload.data_path)
+        summary |= finish(
+            self.cfg,
+            exported,
+            self.target,
+            self.train_set,
+            self.evalset,
+            self.state.evaluations,
+            out_dir,
+            self.tracker,
+            self.payload.data_path,
+        )
         final_eval = self.last_eval.stats
-        final_metrics = {name: float(v) for name, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        final_metrics |= {f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)}
+        final_metrics = {
+            name: float(v)
+            for name, v in summary.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        final_metrics |= {
+            f"eval/final_acc_pos{d + 1}": a for d, a in enumerate(final_eval.accuracy)
+        }
         final_metrics |= {f"train/step_ms_{n}": v for n, v in summary["train_step_ms"].items()}
         self.tracker.log_metrics_now(final_metrics, self.state.step)
         self.tracker.log_artifacts(str(out_dir), "drafter")
@@ -325,7 +408,9 @@ class DistillRecipe:
     def _summary(self, exported: DrafterNet, digests: list[str] | None, nodes: list[str]) -> dict:
         """The run's summary, before `finalize.finish` adds the export's and bench's results."""
         state, final_eval = self.state, self.last_eval.stats
-        loop_s = sum(self.step_seconds.values())  # the steps themselves: no evaluation, logging or checkpoints
+        loop_s = sum(
+            self.step_seconds.values()
+        )  # the steps themselves: no evaluation, logging or checkpoints
         steps_run = state.step - self.resumed_from
         return {
             "steps": state.step,
@@ -334,7 +419,9 @@ class DistillRecipe:
             "tokens": state.tokens,
             "train_seconds": state.elapsed_s,
             "train_tokens_per_s": state.tokens / state.elapsed_s if state.elapsed_s else 0.0,
-            "train_step_ms": {n: 1000 * v / max(1, steps_run) for n, v in self.step_seconds.items()},
+            "train_step_ms": {
+                n: 1000 * v / max(1, steps_run) for n, v in self.step_seconds.items()
+            },
             "train_steps_per_s": steps_run / loop_s if loop_s else 0.0,
             "train_loop_tokens_per_s": (state.tokens - self.tokens0) / loop_s if loop_s else 0.0,
             "stopped_by_budget": self.stopped,

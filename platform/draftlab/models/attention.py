@@ -67,11 +67,15 @@ class RowPlan:
     """
 
     mask: torch.Tensor  # (T, 1, 1, Lp) bool: key j (of row i's keys) is visible to row i
-    index: torch.Tensor | None  # (T, Lp) cache indices of row i's keys; None = all rows are prefixes
+    index: (
+        torch.Tensor | None
+    )  # (T, Lp) cache indices of row i's keys; None = all rows are prefixes
     prefix: int  # leading rows that see causal prefixes (index[i] = arange)
     prefix_keys: int  # Lp of those rows: a multiple of BLOCK
     # Host-side facts, so that no layer reads a device tensor back (a GPU sync per forward):
-    fewest_keys: int  # the smallest number of keys a row sees (all of the cache when it is its size)
+    fewest_keys: (
+        int  # the smallest number of keys a row sees (all of the cache when it is its size)
+    )
     last_key: int  # the largest cache index any row sees
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-forward derived masks
 
@@ -96,14 +100,20 @@ class RowPlan:
         visible = torch.arange(keys, device=device)[None, :] < lengths[:, None]  # (T, Lp)
         if prefixes:
             return cls(visible[:, None, None, :], None, len(rows), keys, min(sizes), max(sizes) - 1)
-        index = torch.zeros(len(rows), keys, dtype=torch.long, device=device)  # pads -> key 0, masked
+        index = torch.zeros(
+            len(rows), keys, dtype=torch.long, device=device
+        )  # pads -> key 0, masked
         for i, r in enumerate(rows):
             index[i, : len(r)] = r
-        last = int(torch.cat([r.reshape(-1) for r in rows]).max())  # gathered rows (a server's batch): one sync
+        last = int(
+            torch.cat([r.reshape(-1) for r in rows]).max()
+        )  # gathered rows (a server's batch): one sync
         return cls(visible[:, None, None, :], index, 0, 0, min(sizes), last)
 
     @classmethod
-    def tree(cls, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> RowPlan:
+    def tree(
+        cls, ctx: int, ancestors: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None
+    ) -> RowPlan:
         """Rows of a tree block appended after `ctx` cached keys: row i sees the context,
         then block rows `ancestors[i, :counts[i]]` (its ancestors and itself, in order).
         Leading rows that form a chain (row i's ancestors are rows 0..i) are prefixes.
@@ -114,14 +124,22 @@ class RowPlan:
         sizes = counts.tolist() if sizes is None else sizes
         keys = _padded(ctx + max(sizes))  # Lp
         cols = torch.arange(keys, device=ancestors.device)  # (Lp,)
-        slot = (cols - ctx).clamp(0, ancestors.shape[1] - 1)  # (Lp,) ancestor slot of a block column
+        slot = (cols - ctx).clamp(
+            0, ancestors.shape[1] - 1
+        )  # (Lp,) ancestor slot of a block column
         index = torch.where(cols < ctx, cols, ctx + ancestors[:, slot])  # (T, Lp)
         visible = cols[None, :] < (ctx + counts)[:, None]  # (T, Lp)
         # Row i with i + 1 ancestors (itself included, all < i + 1) sees rows 0..i, so its
         # parent i - 1 does too: these rows are a leading run.
         prefix = next((i for i, n in enumerate(sizes) if n != i + 1), len(sizes))
-        return cls(visible[:, None, None, :], index, prefix, _padded(ctx + prefix), ctx + min(sizes),
-                   ctx + len(sizes) - 1)
+        return cls(
+            visible[:, None, None, :],
+            index,
+            prefix,
+            _padded(ctx + prefix),
+            ctx + min(sizes),
+            ctx + len(sizes) - 1,
+        )
 
     def _checked(self, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen (T, Lp) bool, index (T, Lp)): row i's keys are index[i][seen[i]], in order,
@@ -185,8 +203,14 @@ def row_exact_attention(
     scale = getattr(module, "scaling", None)
     if row_kernel.supports(query, key):
         index, counts = plan.key_lists(key.shape[2])
-        out = row_kernel.rows_attention(query[0].transpose(0, 1), key[0], value[0], index, counts,
-                                        query.shape[3] ** -0.5 if scale is None else scale)  # (T, heads, d)
+        out = row_kernel.rows_attention(
+            query[0].transpose(0, 1),
+            key[0],
+            value[0],
+            index,
+            counts,
+            query.shape[3] ** -0.5 if scale is None else scale,
+        )  # (T, heads, d)
         return out.to(query.dtype)[None], None  # (1, T, heads, d)
     return sdpa_rows_attention(query, key, value, plan, scale)
 
@@ -206,15 +230,24 @@ def sdpa_rows_attention(
         p, keys = plan.prefix, plan.prefix_keys
         if plan.index is None and keys < key.shape[2]:
             raise ValueError(f"row plan covers {keys} keys but the cache has {key.shape[2]}")
-        k, v = (t[:, :, :keys] if keys <= t.shape[2] else F.pad(t, (0, 0, 0, keys - t.shape[2])) for t in (key, value))
-        groups.append((0, p, k.expand(p, -1, -1, -1), v.expand(p, -1, -1, -1), plan.mask[:p, ..., :keys]))
+        k, v = (
+            t[:, :, :keys] if keys <= t.shape[2] else F.pad(t, (0, 0, 0, keys - t.shape[2]))
+            for t in (key, value)
+        )
+        groups.append(
+            (0, p, k.expand(p, -1, -1, -1), v.expand(p, -1, -1, -1), plan.mask[:p, ..., :keys])
+        )
     if plan.prefix < rows:  # the others: each row's keys gathered in order
         p, index = plan.prefix, plan.index[plan.prefix :]  # (T-P, Lp)
-        k, v = (t[0][:, index].transpose(0, 1) for t in (key, value))  # (kv, T-P, Lp, d) -> (T-P, kv, Lp, d)
+        k, v = (
+            t[0][:, index].transpose(0, 1) for t in (key, value)
+        )  # (kv, T-P, Lp, d) -> (T-P, kv, Lp, d)
         groups.append((p, rows - p, k, v, plan.mask[p:]))
     with _one_thread():
-        outs = [F.scaled_dot_product_attention(q[a : a + n], k, v, attn_mask=m, scale=scale)
-                for a, n, k, v, m in groups]  # (n, kv, heads/kv, d) each
+        outs = [
+            F.scaled_dot_product_attention(q[a : a + n], k, v, attn_mask=m, scale=scale)
+            for a, n, k, v, m in groups
+        ]  # (n, kv, heads/kv, d) each
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, kv, heads/kv, d)
     return out.reshape(1, rows, -1, d), None  # (1, T, heads, d)
 
@@ -236,9 +269,13 @@ def _with_plan(mode: str, rows_fn):
         if draftlab_rows is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if query.shape[0] != 1:
-            raise ValueError(f"{mode} attention runs one sequence at a time, got a batch of {query.shape[0]}")
+            raise ValueError(
+                f"{mode} attention runs one sequence at a time, got a batch of {query.shape[0]}"
+            )
         if draftlab_rows.num_rows != query.shape[2]:
-            raise ValueError(f"row plan has {draftlab_rows.num_rows} rows for {query.shape[2]} queries")
+            raise ValueError(
+                f"row plan has {draftlab_rows.num_rows} rows for {query.shape[2]} queries"
+            )
         return rows_fn(module, query, key, value, draftlab_rows)
 
     return attention

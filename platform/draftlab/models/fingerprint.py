@@ -5,6 +5,7 @@ the model's state dict), so a job driver can key the data cache and check drafte
 without building the model: it reads the safetensors headers and memory-maps only the
 sampled values (a few pages per tensor, not the whole multi-GB checkpoint into RAM).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,7 +80,9 @@ def _headers(directory: Path) -> dict[str, tuple[Path, dict, int]]:
     return out
 
 
-def _file_sample(path: Path, entry: dict, start: int, load_dtype: torch.dtype, samples: int) -> torch.Tensor:
+def _file_sample(
+    path: Path, entry: dict, start: int, load_dtype: torch.dtype, samples: int
+) -> torch.Tensor:
     if entry["dtype"] not in _DTYPES:
         raise NotFromFiles(f"{path.name}: tensor dtype {entry['dtype']} is not a float type")
     np_dtype, torch_dtype = _DTYPES[entry["dtype"]]
@@ -88,12 +91,16 @@ def _file_sample(path: Path, entry: dict, start: int, load_dtype: torch.dtype, s
     if count == 0:
         return torch.empty(0)
     flat = np.memmap(path, dtype=np_dtype, mode="r", offset=start + begin, shape=(count,))
-    picked = torch.from_numpy(np.array(_strided(flat, samples))).view(torch_dtype)  # a copy: memmaps are read-only
+    picked = torch.from_numpy(np.array(_strided(flat, samples))).view(
+        torch_dtype
+    )  # a copy: memmaps are read-only
     # The loaded model holds the values in `load_dtype`: round through it as loading would.
     return picked.to(load_dtype)
 
 
-def files_fingerprint(directory: Path, load_dtype: torch.dtype, samples_per_tensor: int = SAMPLES_PER_TENSOR) -> str:
+def files_fingerprint(
+    directory: Path, load_dtype: torch.dtype, samples_per_tensor: int = SAMPLES_PER_TENSOR
+) -> str:
     """`weights_fingerprint` of the model `from_pretrained(directory, dtype=load_dtype)`
     gives, read from the safetensors files without loading it.
 
@@ -121,7 +128,9 @@ def files_fingerprint(directory: Path, load_dtype: torch.dtype, samples_per_tens
                 raise NotFromFiles(f"{name} is not in the safetensors files of {directory}")
             path, entry, start = headers[stored]
             if tuple(entry["shape"]) != tuple(t.shape):
-                raise NotFromFiles(f"{stored}: shape {entry['shape']} in the files, {tuple(t.shape)} in the model")
+                raise NotFromFiles(
+                    f"{stored}: shape {entry['shape']} in the files, {tuple(t.shape)} in the model"
+                )
             yield name, t.shape, _file_sample(path, entry, start, load_dtype, samples_per_tensor)
 
     return _digest(entries())

@@ -66,7 +66,9 @@ def fused_attention(
     # GQA folded into the rows: (1, heads, T, d) -> (1, kv, groups * T, d)
     q = query.reshape(1, kv_heads, groups * rows, d)
     scale = getattr(module, "scaling", None)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)  # (1, kv, groups * T, d)
+    out = F.scaled_dot_product_attention(
+        q, key, value, attn_mask=mask, scale=scale
+    )  # (1, kv, groups * T, d)
     # reshape, not view: SDPA's CUDA float32 (memory-efficient) kernel returns its output in a
     # (B, T, H, d) buffer seen through a transpose, whose strides no view can regroup
     return out.reshape(1, heads, rows, d).transpose(1, 2).contiguous(), None  # (1, T, heads, d)

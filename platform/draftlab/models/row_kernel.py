@@ -48,14 +48,18 @@ def _cpu_flags() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith("flags")), platform.processor())
+    return next(
+        (line for line in text.splitlines() if line.startswith("flags")), platform.processor()
+    )
 
 
 def build_dir() -> Path:
     """Where this source, torch and CPU's build lives (a CPU with other flags builds anew:
     the kernel is compiled for the machine it runs on)."""
     key = "\n".join([SOURCE.read_text(), torch.__version__, platform.machine(), _cpu_flags()])
-    return cache_dir() / "kernels" / f"row_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return (
+        cache_dir() / "kernels" / f"row_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    )
 
 
 def _find_ninja() -> None:
@@ -99,8 +103,13 @@ def _build(where: Path):
     scratch = where.parent / f"{where.name}.tmp-{os.getpid()}"
     scratch.mkdir()
     log.info("building draftlab's CPU row attention kernel once (~20 s) in %s", where)
-    module = cpp_extension.load(name=NAME, sources=[str(SOURCE)], build_directory=str(scratch),
-                                extra_cflags=["-O3", "-march=native"], verbose=False)
+    module = cpp_extension.load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        build_directory=str(scratch),
+        extra_cflags=["-O3", "-march=native"],
+        verbose=False,
+    )
     scratch.rename(where)
     return module
 
@@ -119,15 +128,23 @@ def load():
                 return _import_built(where)
             return _build(where)
     except Exception as e:  # no compiler, no ninja, ...: SDPA's kernel stays row-exact
-        log.warning("draftlab's CPU row attention kernel could not be built (%s: %s); verify rows "
-                    "use SDPA per row instead (slower per row, equally exact)", type(e).__name__, e)
+        log.warning(
+            "draftlab's CPU row attention kernel could not be built (%s: %s); verify rows "
+            "use SDPA per row instead (slower per row, equally exact)",
+            type(e).__name__,
+            e,
+        )
         return None
 
 
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the kernel covers this layer's tensors (CPU, bf16/float32, these head sizes)."""
-    return (query.device.type == "cpu" and key.dtype in DTYPES and key.shape[-1] in HEAD_SIZES
-            and load() is not None)
+    return (
+        query.device.type == "cpu"
+        and key.dtype in DTYPES
+        and key.shape[-1] in HEAD_SIZES
+        and load() is not None
+    )
 
 
 def rows_attention(
@@ -140,5 +157,11 @@ def rows_attention(
 ) -> torch.Tensor:
     """(T, H, d) float32: every row's attention over its own keys (see the module doc). The
     caller checks the indices (`RowPlan.key_lists`): the kernel reads them unchecked."""
-    return load().rows_attention(query.float().contiguous(), key.contiguous(), value.contiguous(),
-                                 index.contiguous(), counts.contiguous(), float(scale))
+    return load().rows_attention(
+        query.float().contiguous(),
+        key.contiguous(),
+        value.contiguous(),
+        index.contiguous(),
+        counts.contiguous(),
+        float(scale),
+    )

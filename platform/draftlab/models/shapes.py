@@ -33,7 +33,13 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     # seconds on a CPU: what CI runs
     "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, init=0.25),
-    "small": Shape(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1536, vocab=32000, init=0.25),
-    "llama-3.2-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256),
-    "llama-3.1-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+    "small": Shape(
+        hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1536, vocab=32000, init=0.25
+    ),
+    "llama-3.2-1b": Shape(
+        hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256
+    ),
+    "llama-3.1-8b": Shape(
+        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256
+    ),
 }

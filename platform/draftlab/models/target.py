@@ -75,9 +75,13 @@ class Target:
         if not aux_layers:
             return out.last_hidden_state
         if any(not 0 <= i < self.num_layers for i in aux_layers):
-            raise ValueError(f"aux layers {list(aux_layers)} must lie in [0, {self.num_layers - 1}]")
+            raise ValueError(
+                f"aux layers {list(aux_layers)} must lie in [0, {self.num_layers - 1}]"
+            )
         # hidden_states[i] = after i layers (0 = embeddings); its last entry is normed, hence < L.
-        return torch.cat([out.hidden_states[i] for i in aux_layers] + [out.last_hidden_state], dim=-1)
+        return torch.cat(
+            [out.hidden_states[i] for i in aux_layers] + [out.last_hidden_state], dim=-1
+        )
 
     def run_decoder(self, aux_layers: tuple[int, ...] = (), **kw) -> torch.Tensor:
         """The decoder on `kw` (input_ids, positions, cache, ...): (B, T, F) `features`."""
@@ -108,7 +112,12 @@ class Target:
             rows = attention.RowPlan.build(rows, self.device)
         extra = {} if rows is None else {"draftlab_rows": rows}
         feats = self.run_decoder(
-            aux_layers, input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=True, **extra
+            aux_layers,
+            input_ids=ids[None],
+            position_ids=positions[None],
+            cache=cache,
+            use_cache=True,
+            **extra,
         )[0]  # (T, F)
         head_in = feats[-1:] if last_logits else feats  # (1 or T, F)
         return self.lm_head(head_in[:, -self.hidden_size :]).float(), feats
@@ -135,8 +144,14 @@ class Target:
         stacked = StackedCache([c for _, _, c, _ in items], lengths)
         ids = torch.cat([i for i, *_ in items])
         positions = torch.cat([p for _, p, *_ in items])
-        feats = self.run_decoder(aux_layers, input_ids=ids[None], position_ids=positions[None],
-                                 cache=stacked, use_cache=True, draftlab_rows=plan)[0]  # (sum T_i, F)
+        feats = self.run_decoder(
+            aux_layers,
+            input_ids=ids[None],
+            position_ids=positions[None],
+            cache=stacked,
+            use_cache=True,
+            draftlab_rows=plan,
+        )[0]  # (sum T_i, F)
         logits = self.lm_head(feats[:, -self.hidden_size :]).float()
         return list(zip(logits.split(lengths), feats.split(lengths), strict=True))
 
@@ -150,14 +165,20 @@ class Target:
             if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
                 ids = ids["input_ids"]
             return list(ids)
-        return tok("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
+        return tok("\n\n".join(m["content"] for m in messages), add_special_tokens=True)[
+            "input_ids"
+        ]
 
 
 def _row_keys(rows: list | attention.RowPlan, device: torch.device) -> list[torch.Tensor]:
     """Each row's visible cache indices as a LongTensor (ints n mean keys 0..n-1)."""
     if isinstance(rows, attention.RowPlan):
         mask = rows.mask[:, 0, 0]  # (T, Lp)
-        index = rows.index if rows.index is not None else torch.arange(mask.shape[1], device=device).expand_as(mask)
+        index = (
+            rows.index
+            if rows.index is not None
+            else torch.arange(mask.shape[1], device=device).expand_as(mask)
+        )
         return [index[i][mask[i]] for i in range(mask.shape[0])]
     return [torch.arange(n, device=device) for n in rows]
 
@@ -166,8 +187,10 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise DraftlabError("device 'cuda' requested, but this torch sees no CUDA device (torch.cuda.is_available() "
-                            "is False): use --device cpu or auto, or install a CUDA build of torch")
+        raise DraftlabError(
+            "device 'cuda' requested, but this torch sees no CUDA device (torch.cuda.is_available() "
+            "is False): use --device cpu or auto, or install a CUDA build of torch"
+        )
     return torch.device(device)
 
 
@@ -180,7 +203,9 @@ def cpu_has_fast_bf16() -> bool:
     """AMX, or AVX512-BF16 (e.g. AMD Zen 4 EPYC): bf16 matmuls of 1-16 rows cost about the
     same there, and 3-10x less than fp32's (measured on a 2-core EPYC: LM head 2.3 ms vs 7.7
     ms for one row, 15-27 ms for 2-16 rows)."""
-    return cpu_has_amx_bf16() or bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return cpu_has_amx_bf16() or bool(
+        getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    )
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -285,12 +310,17 @@ def load_target(spec: TargetSpec | str) -> Target:
                     f"Presets: {available_presets()}"
                 )
             try:
-                tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=spec.trust_remote_code)
+                tokenizer = AutoTokenizer.from_pretrained(
+                    name, trust_remote_code=spec.trust_remote_code
+                )
                 # safetensors only: a pickled checkpoint (pytorch_model.bin) can run code on load
                 # device_map: the weights go straight to the GPU (an 8B model would otherwise
                 # pass through 16 GB of host memory first)
                 model = AutoModelForCausalLM.from_pretrained(
-                    name, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=True,
+                    name,
+                    dtype=dtype,
+                    trust_remote_code=spec.trust_remote_code,
+                    use_safetensors=True,
                     **({"device_map": str(device)} if device.type == "cuda" else {}),
                 )
             except OSError as e:
@@ -301,8 +331,14 @@ def load_target(spec: TargetSpec | str) -> Target:
     return assemble_target(name, model, tokenizer, device, dtype, spec.attention)
 
 
-def assemble_target(name: str, model: PreTrainedModel, tokenizer, device: torch.device, dtype: torch.dtype,
-                    attention_mode: attention.Mode = "auto") -> Target:
+def assemble_target(
+    name: str,
+    model: PreTrainedModel,
+    tokenizer,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_mode: attention.Mode = "auto",
+) -> Target:
     """A frozen `Target` of an HF causal LM already built or loaded: moved to `device` and
     `dtype`, with the verify attention installed and the CPU matmul arrangements applied."""
     model = freeze(model.to(device=device, dtype=dtype))
@@ -315,7 +351,13 @@ def assemble_target(name: str, model: PreTrainedModel, tokenizer, device: torch.
     # broadcasts the (H, V) weight to (B, H, V) and copies it (GBs at V=49k). Contiguous
     # input keeps it one matmul.
     model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
-    return Target(name, model, tokenizer, weights_fingerprint(model), _eos_ids(model.generation_config, tokenizer))
+    return Target(
+        name,
+        model,
+        tokenizer,
+        weights_fingerprint(model),
+        _eos_ids(model.generation_config, tokenizer),
+    )
 
 
 def _eos_ids(generation_config, tokenizer) -> frozenset[int]:
@@ -337,7 +379,11 @@ def placed_spec(spec: TargetSpec, use_gpu: bool, field: str, what: str) -> Targe
         raise ValueError(f"target.device is 'cuda' but {field} is False: {what} get no GPU")
     device = spec.device if spec.device != "auto" else ("cuda" if use_gpu else "cpu")
     if spec.dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+        dtype = (
+            "bfloat16"
+            if device == "cuda"
+            else str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+        )
     else:
         dtype = spec.dtype
     return spec.model_copy(update={"device": device, "dtype": dtype})
@@ -381,8 +427,12 @@ def describe_target(spec: TargetSpec | str) -> TargetInfo:
     directory = _weights_dir(spec.name)
     if directory is not None:
         if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"target {spec.name!r}: {directory} is not an HF model directory (no config.json)")
-        load_dtype = resolve_dtype(spec.dtype, torch.device("cuda" if spec.device == "cuda" else "cpu"))
+            raise FileNotFoundError(
+                f"target {spec.name!r}: {directory} is not an HF model directory (no config.json)"
+            )
+        load_dtype = resolve_dtype(
+            spec.dtype, torch.device("cuda" if spec.device == "cuda" else "cpu")
+        )
         try:
             fingerprint = files_fingerprint(directory, load_dtype)
         except NotFromFiles:
@@ -394,6 +444,7 @@ def describe_target(spec: TargetSpec | str) -> TargetInfo:
     try:
         generation_config = GenerationConfig.from_pretrained(directory)
     except OSError:  # no generation_config.json: transformers derives one from config.json
-
-        generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))
+        generation_config = GenerationConfig.from_model_config(
+            AutoConfig.from_pretrained(directory)
+        )
     return TargetInfo(spec.name, tokenizer, fingerprint, _eos_ids(generation_config, tokenizer))

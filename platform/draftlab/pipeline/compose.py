@@ -64,9 +64,13 @@ class Pipeline:
     source: Path  # the pipeline file
     distill: DistillConfig  # the baseline
     sweep: SweepConfig | None  # None = promote the baseline
-    trial_base: dict | None  # the sweep trials' base DistillConfig (a dict), under the pipeline's experiment
+    trial_base: (
+        dict | None
+    )  # the sweep trials' base DistillConfig (a dict), under the pipeline's experiment
     serve: dict  # `load_serve_config` of serve.config with the pipeline's host and port
-    serve_vllm: dict | None  # the same of serve.vllm_config (deployed when the compare stage measured in vLLM)
+    serve_vllm: (
+        dict | None
+    )  # the same of serve.vllm_config (deployed when the compare stage measured in vLLM)
 
     def sweep_base(self, parent_run_id: str | None) -> dict:
         """The sweep's base DistillConfig dict, its runs nested under `parent_run_id`."""
@@ -78,15 +82,22 @@ class Pipeline:
         lookups, schedule) selects `serve.vllm_config` and is set on it."""
         spec = self.serve if deploy is None else self.serve_vllm
         if spec is None:
-            raise ConfigError(f"{self.source}: the compare stage measured in vLLM but compare.engine is draftlab")
+            raise ConfigError(
+                f"{self.source}: the compare stage measured in vLLM but compare.engine is draftlab"
+            )
         model = type(spec["args"])
-        data = apply_dotted(spec["args"].model_dump(exclude_unset=True),
-                            {"model_uri": model_uri, "tracking_uri": tracking_uri} | dotted(self.cfg.serve.overrides)
-                            | (deploy or {}))
+        data = apply_dotted(
+            spec["args"].model_dump(exclude_unset=True),
+            {"model_uri": model_uri, "tracking_uri": tracking_uri}
+            | dotted(self.cfg.serve.overrides)
+            | (deploy or {}),
+        )
         try:
             args = model.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, f"{self.source}: serve.overrides", model)) from None
+            raise ConfigError(
+                format_validation_error(e, f"{self.source}: serve.overrides", model)
+            ) from None
         return spec | {"args": args}
 
 
@@ -97,25 +108,41 @@ def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
     cfg = load_yaml(PipelineConfig, source, overrides)
     distill_file = _find(cfg.distill, source, "distill")
     distill_doc = read_mapping(distill_file)
-    base = _with_tracking(apply_dotted(copy.deepcopy(distill_doc), dotted(cfg.overrides)), experiment=cfg.experiment)
-    distill = trial_config(base, {}, name=f"{cfg.name}-baseline", where=f"{source}: overrides (distill {distill_file})")
+    base = _with_tracking(
+        apply_dotted(copy.deepcopy(distill_doc), dotted(cfg.overrides)), experiment=cfg.experiment
+    )
+    distill = trial_config(
+        base, {}, name=f"{cfg.name}-baseline", where=f"{source}: overrides (distill {distill_file})"
+    )
     sweep = None
     if cfg.sweep is not None:
         try:
-            sweep = SweepConfig(name=cfg.name, base=str(distill_file), experiment=cfg.experiment,
-                                promote=False, **cfg.sweep.model_dump(exclude={"overrides"}),
-                                overrides=dotted(cfg.overrides) | dotted(cfg.sweep.overrides))
+            sweep = SweepConfig(
+                name=cfg.name,
+                base=str(distill_file),
+                experiment=cfg.experiment,
+                promote=False,
+                **cfg.sweep.model_dump(exclude={"overrides"}),
+                overrides=dotted(cfg.overrides) | dotted(cfg.sweep.overrides),
+            )
         except ValidationError as e:
             raise ConfigError(format_validation_error(e, f"{source}: sweep", SweepConfig)) from None
     serve_file = _find(cfg.serve.config, source, "serve.config")
     trial_base = None
     if sweep is not None:  # checks every point of the space against the base
-        trial_base = _with_tracking(sweep_base(sweep, distill_doc, distill_file, f"{source}: sweep"),
-                                    experiment=cfg.experiment)
-    http = {k: v for k, v in {"host": cfg.serve.host, "port": cfg.serve.port}.items() if v is not None}
+        trial_base = _with_tracking(
+            sweep_base(sweep, distill_doc, distill_file, f"{source}: sweep"),
+            experiment=cfg.experiment,
+        )
+    http = {
+        k: v for k, v in {"host": cfg.serve.host, "port": cfg.serve.port}.items() if v is not None
+    }
     serve = load_serve_config(serve_file) | http
-    serve_vllm = None if cfg.compare.engine == "draftlab" else (
-        load_serve_config(_find(cfg.serve.vllm_config, source, "serve.vllm_config")) | http)
+    serve_vllm = (
+        None
+        if cfg.compare.engine == "draftlab"
+        else (load_serve_config(_find(cfg.serve.vllm_config, source, "serve.vllm_config")) | http)
+    )
     pipeline = Pipeline(cfg, source, distill, sweep, trial_base, serve, serve_vllm)
     pipeline.serve_spec("models:/check@champion", "sqlite:///check.db")  # checks the overrides
     return pipeline

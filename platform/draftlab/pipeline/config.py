@@ -49,7 +49,9 @@ class CompareStage(StrictModel):
 
     engine: Literal["auto", "vllm", "draftlab"] = "auto"
     """Where contenders are measured and the winner deployed: `auto` = vLLM when installed."""
-    methods: list[str] = Field(default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_tree"])
+    methods: list[str] = Field(
+        default_factory=lambda: ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_tree"]
+    )
     """Bench methods without vLLM (`draftlab_tree` = the champion with its own tree)."""
     vllm_methods: list[str] = Field(default_factory=lambda: list(VLLM_CONTENDERS))
     """vLLM contenders (`vllm_suffix` is left out, and the stage says so, when arctic-inference
@@ -129,6 +131,7 @@ class PipelineConfig(StrictModel):
         except (OSError, ValueError) as e:
             raise ValueError(str(e)) from None
         return v
+
     serve: ServeStage = Field(default_factory=ServeStage)
     """The endpoint."""
     smoke: SmokeStage = Field(default_factory=SmokeStage)

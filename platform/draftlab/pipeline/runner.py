@@ -66,7 +66,9 @@ class Stage:
     name: str
     fn: Callable[[PipelineRun], dict]
     inputs: Callable[[PipelineRun], object]  # what the stage's result depends on
-    valid: Callable[[PipelineRun, dict], bool] = lambda run, out: True  # are its recorded outputs still there?
+    valid: Callable[[PipelineRun, dict], bool] = lambda run, out: (
+        True
+    )  # are its recorded outputs still there?
     always: bool = False
 
 
@@ -75,25 +77,50 @@ def _exists(key: str) -> Callable[[PipelineRun, dict], bool]:
 
 
 def _sweep_inputs(run: PipelineRun):
-    return {"sweep": run.p.sweep.model_dump(mode="json"), "base": run.p.sweep_base(run.parent_id),
-            "data": run.outputs["data"]["data_path"]}
+    return {
+        "sweep": run.p.sweep.model_dump(mode="json"),
+        "base": run.p.sweep_base(run.parent_id),
+        "data": run.outputs["data"]["data_path"],
+    }
 
 
 STAGES = [
-    Stage("data", stages.data, lambda r: [r.p.distill.data.model_dump(mode="json"), r.p.distill.target.model_dump()],
-          _exists("data_path")),
-    Stage("distill", stages.distill, lambda r: [r.p.distill.model_dump(mode="json"), r.outputs["data"]["data_path"]],
-          _exists("drafter_dir")),
+    Stage(
+        "data",
+        stages.data,
+        lambda r: [r.p.distill.data.model_dump(mode="json"), r.p.distill.target.model_dump()],
+        _exists("data_path"),
+    ),
+    Stage(
+        "distill",
+        stages.distill,
+        lambda r: [r.p.distill.model_dump(mode="json"), r.outputs["data"]["data_path"]],
+        _exists("drafter_dir"),
+    ),
     Stage("sweep", stages.sweep, _sweep_inputs, _exists("experiment_dir")),
     Stage("promote", stages.promote, stages.candidates, stages.champion_is_current),
-    Stage("compare", stages.compare, lambda r: [r.p.cfg.compare.model_dump(), r.p.cfg.prompts,
-                                                r.outputs["promote"]["version"]],
-          lambda r, o: (r.dir / "bench.json").is_file()),
-    Stage("serve", stages.serve, lambda r: [stages.serve_spec(r)["args"].model_dump(mode="json"),
-                                            r.outputs["promote"]["version"]], stages.serving),
+    Stage(
+        "compare",
+        stages.compare,
+        lambda r: [r.p.cfg.compare.model_dump(), r.p.cfg.prompts, r.outputs["promote"]["version"]],
+        lambda r, o: (r.dir / "bench.json").is_file(),
+    ),
+    Stage(
+        "serve",
+        stages.serve,
+        lambda r: [
+            stages.serve_spec(r)["args"].model_dump(mode="json"),
+            r.outputs["promote"]["version"],
+        ],
+        stages.serving,
+    ),
     Stage("smoke", stages.smoke, lambda r: None, always=True),
-    Stage("report", stages.report, lambda r: [r.outputs["promote"], r.outputs["compare"], r.outputs.get("sweep")],
-          _exists("html")),
+    Stage(
+        "report",
+        stages.report,
+        lambda r: [r.outputs["promote"], r.outputs["compare"], r.outputs.get("sweep")],
+        _exists("html"),
+    ),
 ]
 
 
@@ -129,10 +156,15 @@ class PipelineRun:
             rec = json.loads(record.read_text())
             if rec["fingerprint"] == fp and stage.valid(self, rec["outputs"]):
                 self.outputs[stage.name] = rec["outputs"]
-                self.status[stage.name] = {"status": "skipped (done before)", "wall_s": rec["wall_s"]}
+                self.status[stage.name] = {
+                    "status": "skipped (done before)",
+                    "wall_s": rec["wall_s"],
+                }
                 if self.progress:
-                    console.print(f"[bold]\\[{i}/{len(self.stages)}] {stage.name}[/]: done before, skipped "
-                                  f"({rec['wall_s']:.0f} s then)")
+                    console.print(
+                        f"[bold]\\[{i}/{len(self.stages)}] {stage.name}[/]: done before, skipped "
+                        f"({rec['wall_s']:.0f} s then)"
+                    )
                 return
         if self.progress:
             console.rule(f"[bold]\\[{i}/{len(self.stages)}] {stage.name}")
@@ -141,12 +173,16 @@ class PipelineRun:
         t0 = time.perf_counter()
         out = stage.fn(self)
         wall = time.perf_counter() - t0
-        _atomic_json(record, {"fingerprint": fp, "outputs": out, "wall_s": wall, "finished_at": time.time()})
+        _atomic_json(
+            record, {"fingerprint": fp, "outputs": out, "wall_s": wall, "finished_at": time.time()}
+        )
         self.outputs[stage.name] = out
         self.status[stage.name] = {"status": "ran", "wall_s": wall}
         self.parent.log_metrics_now({f"stage_s/{stage.name}": wall}, 0)
         if self.progress:
-            console.print(f"[bold green]\\[{i}/{len(self.stages)}] {stage.name}[/]: done in {wall:.0f} s")
+            console.print(
+                f"[bold green]\\[{i}/{len(self.stages)}] {stage.name}[/]: done in {wall:.0f} s"
+            )
 
     def _take_down_endpoint(self, console) -> None:
         """An earlier run's endpoint holds CPUs/GPUs a re-running stage may need (on a small
@@ -158,7 +194,9 @@ class PipelineRun:
 
         if stages.serving(self, {"app": app}):
             if self.progress:
-                console.print(f"taking down the endpoint {app!r} of the earlier run (redeployed at the serve stage)")
+                console.print(
+                    f"taking down the endpoint {app!r} of the earlier run (redeployed at the serve stage)"
+                )
             serve.delete(app)
         record.unlink()
 
@@ -168,11 +206,23 @@ class PipelineRun:
 
     def summary(self) -> dict:
         o = self.outputs
-        return {"name": self.p.cfg.name, "config": str(self.p.source), "mlflow_run_id": self.parent_id,
-                "tracking_uri": self.tracking_uri, "experiment": self.p.cfg.experiment, "cluster": self.cluster,
-                "stages": self.status, "champion": o.get("promote"), "compare": o.get("compare"),
-                "endpoint": o.get("serve"), "smoke": o.get("smoke"), "sweep": o.get("sweep"),
-                "baseline": o.get("distill"), "data": o.get("data"), "report": o.get("report")}
+        return {
+            "name": self.p.cfg.name,
+            "config": str(self.p.source),
+            "mlflow_run_id": self.parent_id,
+            "tracking_uri": self.tracking_uri,
+            "experiment": self.p.cfg.experiment,
+            "cluster": self.cluster,
+            "stages": self.status,
+            "champion": o.get("promote"),
+            "compare": o.get("compare"),
+            "endpoint": o.get("serve"),
+            "smoke": o.get("smoke"),
+            "sweep": o.get("sweep"),
+            "baseline": o.get("distill"),
+            "data": o.get("data"),
+            "report": o.get("report"),
+        }
 
     def write_summary(self) -> dict:
         s = self.summary()
@@ -183,7 +233,10 @@ class PipelineRun:
 
 # Worker processes of the pipeline's Ray job draw no progress bars: forwarded to this console
 # each bar redraw is a line (a "Loading weights" bar per model load, MLflow's per download).
-QUIET_WORKERS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+QUIET_WORKERS = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+}
 
 
 def _ray_to_log(log_file: Path) -> None:
@@ -208,9 +261,14 @@ def connect_cluster(log_file: Path, progress: bool = True) -> dict:
     banner, connection notices) goes to `log_file`, and the job's workers draw no progress
     bars: the console keeps the stages, their progress (the trainer prints a line per
     evaluation) and the summary."""
+
     def init(address: str) -> None:
-        ray.init(address=address, log_to_driver=True, configure_logging=False,
-                 runtime_env={"env_vars": QUIET_WORKERS})
+        ray.init(
+            address=address,
+            log_to_driver=True,
+            configure_logging=False,
+            runtime_env={"env_vars": QUIET_WORKERS},
+        )
         _ray_to_log(log_file)  # after init: configure_logging=False clears the "ray" logger
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -223,20 +281,39 @@ def connect_cluster(log_file: Path, progress: bool = True) -> dict:
             if address:
                 raise
             if progress:
-                print(f"no Ray cluster on this machine: starting one (`ray start --head`, output in {log_file}; "
-                      "`ray stop` ends it)", flush=True)
+                print(
+                    f"no Ray cluster on this machine: starting one (`ray start --head`, output in {log_file}; "
+                    "`ray stop` ends it)",
+                    flush=True,
+                )
             ray_bin = Path(sys.executable).with_name("ray")
             with log_file.open("a") as out:
-                code = subprocess.run([str(ray_bin), "start", "--head", f"--num-cpus={os.cpu_count()}",
-                                       "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-                                      stdout=out, stderr=subprocess.STDOUT).returncode
+                code = subprocess.run(
+                    [
+                        str(ray_bin),
+                        "start",
+                        "--head",
+                        f"--num-cpus={os.cpu_count()}",
+                        "--include-dashboard=true",
+                        "--dashboard-host=127.0.0.1",
+                        "--disable-usage-stats",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                ).returncode
             if code:
-                raise DraftlabError(f"`ray start --head` failed (exit {code}): its output is in {log_file}") from None
+                raise DraftlabError(
+                    f"`ray start --head` failed (exit {code}): its output is in {log_file}"
+                ) from None
             init("auto")
             started = True
     url = get_dashboard_url()
-    return {"address": ray.get_runtime_context().gcs_address, "dashboard": f"http://{url}" if url and "://" not in url else url,
-            "started_here": started, "log": str(log_file)}
+    return {
+        "address": ray.get_runtime_context().gcs_address,
+        "dashboard": f"http://{url}" if url and "://" not in url else url,
+        "started_here": started,
+        "log": str(log_file),
+    }
 
 
 def float32_note(target: TargetSpec) -> str | None:
@@ -244,11 +321,17 @@ def float32_note(target: TargetSpec) -> str | None:
     the embedded budgets were measured with a bf16 target, and every stage that generates or
     benches takes several times longer there; None elsewhere."""
     device = resolve_device(target.device)
-    if target.dtype != "auto" or device.type != "cpu" or resolve_dtype("auto", device) != torch.float32:
+    if (
+        target.dtype != "auto"
+        or device.type != "cpu"
+        or resolve_dtype("auto", device) != torch.float32
+    ):
         return None
-    return (f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the stages that "
-            "generate data and bench take several times longer than the budgets here were measured at with a "
-            "bf16 target (docs/benchmarks.md, \"The pipeline end to end\")")
+    return (
+        f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the stages that "
+        "generate data and bench take several times longer than the budgets here were measured at with a "
+        'bf16 target (docs/benchmarks.md, "The pipeline end to end")'
+    )
 
 
 def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
@@ -262,12 +345,22 @@ def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool
     uri = resolve_tracking_uri(p.distill.tracking.tracking_uri)
     state_file = run_dir / "state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-    parent = Tracker(tracking_uri=uri, experiment=p.cfg.experiment, run_id=state.get("mlflow_run_id"))
-    parent.start_or_resume(f"pipeline-{p.cfg.name}", tags={"draftlab.kind": "pipeline", "draftlab.pipeline": p.cfg.name,
-                                                           "draftlab.target": p.distill.target.name})
+    parent = Tracker(
+        tracking_uri=uri, experiment=p.cfg.experiment, run_id=state.get("mlflow_run_id")
+    )
+    parent.start_or_resume(
+        f"pipeline-{p.cfg.name}",
+        tags={
+            "draftlab.kind": "pipeline",
+            "draftlab.pipeline": p.cfg.name,
+            "draftlab.target": p.distill.target.name,
+        },
+    )
     _atomic_json(state_file, {"mlflow_run_id": parent.run_id, "config": str(p.source)})
     parent.log_params({"pipeline": p.cfg.model_dump(mode="json")})
-    run = PipelineRun(p, run_dir, uri, parent, connect_cluster(run_dir / "ray.log", progress), progress)
+    run = PipelineRun(
+        p, run_dir, uri, parent, connect_cluster(run_dir / "ray.log", progress), progress
+    )
     t0 = time.perf_counter()
     try:
         for i, stage in enumerate(run.stages, 1):
@@ -290,10 +383,14 @@ def _verdict_lines(cmp: dict) -> list[str]:
     v = cmp.get("verdict")
     if not v:
         return []
-    levels = ", ".join(f"{r['concurrency']}: {r['tokens_per_s']:.1f} vs {r['vllm_ar_tokens_per_s']:.1f} tok/s"
-                       f" ({'drafts' if r['drafts'] else 'no drafting'})" for r in v["levels"])
+    levels = ", ".join(
+        f"{r['concurrency']}: {r['tokens_per_s']:.1f} vs {r['vllm_ar_tokens_per_s']:.1f} tok/s"
+        f" ({'drafts' if r['drafts'] else 'no drafting'})"
+        for r in v["levels"]
+    )
     return [f"deployed: {v['served']} {v['deploy']}", f"  {v['reason']}"] + (
-        [f"  under load (in flight: served vs vllm_ar): {levels}"] if levels else [])
+        [f"  under load (in flight: served vs vllm_ar): {levels}"] if levels else []
+    )
 
 
 def format_summary(s: dict) -> str:
@@ -308,7 +405,11 @@ def format_summary(s: dict) -> str:
         f"{c['family']} drafter K={c['k']} depth={c['depth']} tree={c['tree']}",
         f"  measured in {cmp.get('engine', 'draftlab')} on {cmp['prompts']} prompts ({cmp['device']}): "
         f"{cmp['method']} tau {cmp['tau']:.2f}, "
-        + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in cmp.items() if k.startswith("speedup_vs_") and v)
+        + ", ".join(
+            f"{k.replace('_', ' ')} {v:.2f}x"
+            for k, v in cmp.items()
+            if k.startswith("speedup_vs_") and v
+        )
         + f", greedy output identical to the target's: {cmp['greedy_identical']}",
         *_verdict_lines(cmp),
         f"endpoint: {ep['url']} (model {ep['model']!r})",
@@ -318,10 +419,17 @@ def format_summary(s: dict) -> str:
         f"print(c.chat.completions.create(model={ep['model']!r}, messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)",
         f"smoke request: {s['smoke']['latency_s']} s -> {s['smoke']['text'][:80]!r}",
         f"MLflow: run {s['mlflow_run_id']} in experiment {s['experiment']}; UI: "
-        + (f"mlflow ui --backend-store-uri {s['tracking_uri']}" if s["tracking_uri"].startswith("sqlite")
-           else s["tracking_uri"]),
+        + (
+            f"mlflow ui --backend-store-uri {s['tracking_uri']}"
+            if s["tracking_uri"].startswith("sqlite")
+            else s["tracking_uri"]
+        ),
         f"Ray dashboard: {s['cluster']['dashboard'] or 'not running (install ray[default])'}"
-        + ("; the cluster started here keeps serving: `ray stop` ends it" if s["cluster"]["started_here"] else "")
+        + (
+            "; the cluster started here keeps serving: `ray stop` ends it"
+            if s["cluster"]["started_here"]
+            else ""
+        )
         + (f"; Ray's start-up output: {s['cluster']['log']}" if s["cluster"].get("log") else ""),
     ]
     if s.get("report"):

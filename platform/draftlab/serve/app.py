@@ -66,32 +66,56 @@ class _API(FastAPI):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
+                        }
+                    },
+                }
             self.openapi_schema = schema
         return self.openapi_schema
 
 
-api = _API(title="draftlab", description="OpenAI-compatible speculative decoding (ParallelSpec drafters)")
+api = _API(
+    title="draftlab", description="OpenAI-compatible speculative decoding (ParallelSpec drafters)"
+)
 
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-_LOST = (RayActorError, WorkerCrashedError, DeploymentUnavailableError, ReplicaUnavailableError, TimeoutError)
+_LOST = (
+    RayActorError,
+    WorkerCrashedError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    TimeoutError,
+)
 
 
 def _as_unavailable(e: BaseException, retry_after_s: float) -> APIError | None:
     """A retryable 503 (429 if Serve was configured so) when `e`, or what caused it, says
     no engine replica could serve the request now; None for anything else (a bug: 500)."""
-    for _ in range(8):  # RayTaskError(cause=ActorDiedError), RayServeException from ActorDiedError, ...
+    for _ in range(
+        8
+    ):  # RayTaskError(cause=ActorDiedError), RayServeException from ActorDiedError, ...
         if isinstance(e, BackPressureError):  # every replica's queue is full
-            return unavailable("the server is overloaded: retry later", e.retry_after_s or retry_after_s,
-                               "overloaded", e.status_code)
+            return unavailable(
+                "the server is overloaded: retry later",
+                e.retry_after_s or retry_after_s,
+                "overloaded",
+                e.status_code,
+            )
         if isinstance(e, _LOST):  # ActorDiedError and ActorUnavailableError are RayActorErrors
-            return unavailable(f"the engine replica serving this request became unavailable ({type(e).__name__}):"
-                               f" retry later", retry_after_s, "replica_unavailable")
+            return unavailable(
+                f"the engine replica serving this request became unavailable ({type(e).__name__}):"
+                f" retry later",
+                retry_after_s,
+                "replica_unavailable",
+            )
         e = getattr(e, "cause", None) or e.__cause__
         if e is None:
             return None
@@ -106,37 +130,69 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse:
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return _error(_as_unavailable(e, 1) or APIError(500, f"internal error: {type(e).__name__}", code="internal_error",
-                                                    type_="server_error"))
+    return _error(
+        _as_unavailable(e, 1)
+        or APIError(
+            500, f"internal error: {type(e).__name__}", code="internal_error", type_="server_error"
+        )
+    )
 
 
 @api.exception_handler(404)
 async def _not_found(request: Request, e) -> JSONResponse:
-    return _error(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, /v1/completions, "
-                                f"/v1/chat/completions", code="not_found"))
+    return _error(
+        APIError(
+            404,
+            f"no route {request.method} {request.url.path}: see /v1/models, /v1/completions, "
+            f"/v1/chat/completions",
+            code="not_found",
+        )
+    )
 
 
 @api.exception_handler(405)
 async def _bad_method(request: Request, e) -> JSONResponse:
-    return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed",
-                           headers=getattr(e, "headers", None)))  # Starlette's `Allow` header
+    return _error(
+        APIError(
+            405,
+            f"{request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed",
+            headers=getattr(e, "headers", None),
+        )
+    )  # Starlette's `Allow` header
 
 
-_ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in [
-    (400, "Invalid request (type, range, unsupported option, context length)"),
-    (401, "Missing or wrong API key"), (404, "Unknown model"),
-    (413, "Body over `max_body_bytes`"),
-    (503, "No engine replica could take the request now (lost, draining, overloaded): retry after `Retry-After` s"),
-]}
+_ERRORS = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in [
+        (400, "Invalid request (type, range, unsupported option, context length)"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Body over `max_body_bytes`"),
+        (
+            503,
+            "No engine replica could take the request now (lost, draining, overloaded): retry after `Retry-After` s",
+        ),
+    ]
+}
 
 
-_RESPONSES = {200: {"description": "A completion, or with `\"stream\": true` its chunks as server-sent events",
-                    "content": {"text/event-stream": {}}}, **_ERRORS}
+_RESPONSES = {
+    200: {
+        "description": 'A completion, or with `"stream": true` its chunks as server-sent events',
+        "content": {"text/event-stream": {}},
+    },
+    **_ERRORS,
+}
 
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
-    return APIError(413, f"the request body is {'over ' if at_least else ''}{size} bytes; this server takes at most "
-                         f"{limit} (max_body_bytes)", code="request_too_large")
+    return APIError(
+        413,
+        f"the request body is {'over ' if at_least else ''}{size} bytes; this server takes at most "
+        f"{limit} (max_body_bytes)",
+        code="request_too_large",
+    )
 
 
 def authorize(request: Request, keys: list[str], enabled: bool) -> None:
@@ -146,8 +202,12 @@ def authorize(request: Request, keys: list[str], enabled: bool) -> None:
         return
     got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not any(secrets.compare_digest(got, k) for k in keys):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
-                       type_="authentication_error")
+        raise APIError(
+            401,
+            "invalid or missing API key (Authorization: Bearer <key>)",
+            code="invalid_api_key",
+            type_="authentication_error",
+        )
 
 
 def _sse(obj: dict | str) -> str:
@@ -196,8 +256,11 @@ class Ingress:
         except APIError:
             raise
         except TimeoutError:
-            raise unavailable(f"no engine replica took the request within {self.args.queue_timeout_s:g} s: retry later",
-                              self.args.retry_after_s, "queue_timeout") from None
+            raise unavailable(
+                f"no engine replica took the request within {self.args.queue_timeout_s:g} s: retry later",
+                self.args.retry_after_s,
+                "queue_timeout",
+            ) from None
         except Exception as e:
             err = self._lost(e)
             if err is None:
@@ -208,23 +271,40 @@ class Ingress:
         """The retryable error for an engine failure, or None (not a replica loss)."""
         err = _as_unavailable(e, self.args.retry_after_s)
         if err is not None:
-            log.warning("engine request failed, answering %d: %s: %s", err.status, type(e).__name__, e)
+            log.warning(
+                "engine request failed, answering %d: %s: %s", err.status, type(e).__name__, e
+            )
         return err
 
     def _event_error(self, event: Failed) -> APIError:
         """An engine error event after the request was accepted: 503 if the replica was
         shutting down (retryable), else 500 (a decoding failure)."""
         if event.status == 503:
-            return unavailable(f"the engine replica stopped: {event.message}", self.args.retry_after_s,
-                               "replica_unavailable")
-        return APIError(500, f"generation failed: {event.message}", code="engine_error", type_="server_error")
+            return unavailable(
+                f"the engine replica stopped: {event.message}",
+                self.args.retry_after_s,
+                "replica_unavailable",
+            )
+        return APIError(
+            500, f"generation failed: {event.message}", code="engine_error", type_="server_error"
+        )
 
     @api.get("/v1/models", responses={401: _ERRORS[401], 503: _ERRORS[503]})
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         info = await self._engine(self.info())
-        return {"object": "list", "data": [{"id": info["model"], "object": "model", "created": 0, "owned_by": "draftlab",
-                                            "draftlab": {k: v for k, v in info.items() if k != "model"}}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info["model"],
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "draftlab",
+                    "draftlab": {k: v for k, v in info.items() if k != "model"},
+                }
+            ],
+        }
 
     @api.post("/v1/completions", responses=_RESPONSES)
     async def completions(self, request: Request):
@@ -239,10 +319,17 @@ class Ingress:
         req = parse_request(ChatRequest if chat else CompletionRequest, await self._body(request))
         info = await self._engine(self.info())
         if req.model != info["model"]:
-            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{info['model']}'",
-                           param="model", code="model_not_found")
-        payload = {"max_tokens": req.requested_max_tokens, "speculation": req.speculation,
-                   "sampling": req.sampling(1).model_dump(exclude={"max_new_tokens"})}
+            raise APIError(
+                404,
+                f"the model '{req.model}' does not exist; this server serves '{info['model']}'",
+                param="model",
+                code="model_not_found",
+            )
+        payload = {
+            "max_tokens": req.requested_max_tokens,
+            "speculation": req.speculation,
+            "sampling": req.sampling(1).model_dump(exclude={"max_new_tokens"}),
+        }
         if chat:
             payload["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
         else:
@@ -257,15 +344,21 @@ class Ingress:
             case Failed(status=503):
                 raise self._event_error(first)
             case Failed():
-                raise APIError(first.status or 400, first.message, param=first.param, code=first.code)
+                raise APIError(
+                    first.status or 400, first.message, param=first.param, code=first.code
+                )
             case Accepted():
                 prompt_tokens = first.prompt_tokens
             case _:
-                raise TypeError(f"the engine's first event must be Accepted or Failed, got {first!r}")
+                raise TypeError(
+                    f"the engine's first event must be Accepted or Failed, got {first!r}"
+                )
         rid, model = new_id("chatcmpl" if chat else "cmpl"), info["model"]
         if req.stream:
-            return StreamingResponse(self._events(stream, rid, model, chat, prompt_tokens, req.include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(stream, rid, model, chat, prompt_tokens, req.include_usage),
+                media_type="text/event-stream",
+            )
         text, done = [], None
         try:
             async for event in stream:
@@ -290,7 +383,9 @@ class Ingress:
         use = usage(prompt_tokens, done.completion_tokens, done.stats)
         return completion_body(rid, model, chat, "".join(text), done.finish_reason, use)
 
-    async def _events(self, stream, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool):
+    async def _events(
+        self, stream, rid: str, model: str, chat: bool, prompt_tokens: int, include_usage: bool
+    ):
         """SSE chunks. Headers are sent: a failure is reported in-band, as OpenAI does
         (`data: {"error": ...}`, which its clients raise), then `[DONE]`."""
         if chat:  # OpenAI's first chat chunk carries the role
@@ -304,15 +399,28 @@ class Ingress:
                     case Delta(text=text) if text:
                         yield _sse(chunk_body(rid, model, chat, text, None))
                     case Done():
-                        yield _sse(chunk_body(rid, model, chat, None if chat else "", event.finish_reason))
+                        yield _sse(
+                            chunk_body(rid, model, chat, None if chat else "", event.finish_reason)
+                        )
                         if include_usage:
-                            yield _sse(usage_chunk(rid, model, chat, usage(prompt_tokens, event.completion_tokens,
-                                                                           event.stats)))
+                            yield _sse(
+                                usage_chunk(
+                                    rid,
+                                    model,
+                                    chat,
+                                    usage(prompt_tokens, event.completion_tokens, event.stats),
+                                )
+                            )
         except Exception as e:  # the replica was lost mid-stream
             err = self._lost(e)
             if err is None:
                 log.exception("stream %s failed", rid)
-                err = APIError(500, f"internal error: {type(e).__name__}", code="internal_error", type_="server_error")
+                err = APIError(
+                    500,
+                    f"internal error: {type(e).__name__}",
+                    code="internal_error",
+                    type_="server_error",
+                )
             yield _sse(err.body())
         finally:
             stream.cancel()  # a client that went away frees its decoding slot
@@ -334,7 +442,11 @@ def engine_options(args: ServeArgs) -> dict:
 
 def build_app(args: ServeArgs) -> Application:
     """The application `serving/*.yaml` name (`import_path: draftlab.serve.app:build_app`)."""
-    raw = args.model_dump(mode="json", exclude_unset=True)  # unset fields stay unset: the drafter names its target
+    raw = args.model_dump(
+        mode="json", exclude_unset=True
+    )  # unset fields stay unset: the drafter names its target
     engine = DraftEngine.options(**engine_options(args)).bind(raw)
     # The ingress relays the engine's streams: it drains as long as the engine does.
-    return Ingress.options(graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(engine, raw)
+    return Ingress.options(graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s).bind(
+        engine, raw
+    )

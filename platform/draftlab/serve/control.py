@@ -42,7 +42,9 @@ def load_serve_config(path: str | Path) -> dict:
     app = apps[0]
     import_path = app.get("import_path", "")
     if ":" not in import_path:
-        raise ConfigError(f"{path}: applications[0].import_path must be module:builder, got {import_path!r}")
+        raise ConfigError(
+            f"{path}: applications[0].import_path must be module:builder, got {import_path!r}"
+        )
     module, attr = import_path.split(":", 1)
     try:
         builder = getattr(importlib.import_module(module), attr)
@@ -52,11 +54,18 @@ def load_serve_config(path: str | Path) -> dict:
     try:
         args = model.model_validate(app.get("args") or {})
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, f"{path}: applications[0].args", model)) from None
+        raise ConfigError(
+            format_validation_error(e, f"{path}: applications[0].args", model)
+        ) from None
     http = doc.get("http_options") or {}
-    return {"builder": builder, "args": args, "name": app.get("name", DEFAULT_APP),
-            "route_prefix": app.get("route_prefix", "/"), "host": http.get("host", "127.0.0.1"),
-            "port": int(http.get("port", 8000))}
+    return {
+        "builder": builder,
+        "args": args,
+        "name": app.get("name", DEFAULT_APP),
+        "route_prefix": app.get("route_prefix", "/"),
+        "host": http.get("host", "127.0.0.1"),
+        "port": int(http.get("port", 8000)),
+    }
 
 
 def builder_args(builder, where: str = "builder") -> type[BaseModel]:
@@ -65,7 +74,9 @@ def builder_args(builder, where: str = "builder") -> type[BaseModel]:
     hints = {k: v for k, v in get_type_hints(builder).items() if k != "return"}
     model = next(iter(hints.values()), None)
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise ConfigError(f"{where} is not a typed draftlab builder (its argument is no pydantic model)")
+        raise ConfigError(
+            f"{where} is not a typed draftlab builder (its argument is no pydantic model)"
+        )
     return model
 
 
@@ -82,8 +93,10 @@ def connect(start_local: bool) -> bool:
         return False
     except ConnectionError:
         if address or not start_local:
-            raise ConfigError(f"no Ray cluster at {address or 'this machine'}: start one (`ray start --head`) or run "
-                              "`draftlab serve` without --status/--shutdown") from None
+            raise ConfigError(
+                f"no Ray cluster at {address or 'this machine'}: start one (`ray start --head`) or run "
+                "`draftlab serve` without --status/--shutdown"
+            ) from None
     ray.init(include_dashboard=False)
     return True
 
@@ -96,24 +109,43 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     from draftlab.serve.vllm_app import VllmServeArgs  # noqa: PLC0415 -- it imports Ray Serve: see the module docstring
 
     vllm = isinstance(spec["args"], VllmServeArgs)  # Ray Serve LLM's app: no `info` method
-    if spec["args"].drafter is None and not (vllm and (spec["args"].speculation == "off" or spec["args"].method != "drafter")):
-        model_version(spec["args"])  # fail here, clearly, rather than in every replica's constructor
+    if spec["args"].drafter is None and not (
+        vllm and (spec["args"].speculation == "off" or spec["args"].method != "drafter")
+    ):
+        model_version(
+            spec["args"]
+        )  # fail here, clearly, rather than in every replica's constructor
     owns = connect(start_local=True)
     serve.start(http_options={"host": spec["host"], "port": spec["port"]})
     t0 = time.perf_counter()
     if progress:
-        print(f"deploying {spec['name']} (loading the target and drafter on each replica)...", flush=True)
-    handle = serve.run(spec["builder"](spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
+        print(
+            f"deploying {spec['name']} (loading the target and drafter on each replica)...",
+            flush=True,
+        )
+    handle = serve.run(
+        spec["builder"](spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"]
+    )
     info = {"model": spec["args"].model_id} if vllm else handle.info.remote().result()
     url = f"http://{spec['host']}:{spec['port']}{spec['route_prefix'].rstrip('/')}"
-    out = {"url": f"{url}/v1", "app": spec["name"], "model": info["model"], "ready_s": round(time.perf_counter() - t0, 1)}
+    out = {
+        "url": f"{url}/v1",
+        "app": spec["name"],
+        "model": info["model"],
+        "ready_s": round(time.perf_counter() - t0, 1),
+    }
     if progress:
         args = spec["args"]
-        print(f"ready in {out['ready_s']} s: {out['url']} serving {info['model']!r}\n"
-              + example_curl(url, info["model"], args.auth_enabled), flush=True)
+        print(
+            f"ready in {out['ready_s']} s: {out['url']} serving {info['model']!r}\n"
+            + example_curl(url, info["model"], args.auth_enabled),
+            flush=True,
+        )
     if blocking if blocking is not None else owns:
         if progress:
-            print("serving in the foreground: Ctrl-C stops it (`draftlab serve --status` from another shell)")
+            print(
+                "serving in the foreground: Ctrl-C stops it (`draftlab serve --status` from another shell)"
+            )
         _wait_for_interrupt()
         serve.shutdown()
     return out
@@ -130,7 +162,9 @@ def _wait_for_interrupt() -> None:
 
 
 def example_curl(url: str, model: str, auth: bool) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32})
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}
+    )
     key = ' -H "Authorization: Bearer $DRAFTLAB_API_KEY"' if auth else ""
     return f"curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' -d '{body}'"
 
@@ -141,11 +175,24 @@ def status() -> dict:
 
     connect(start_local=False)
     st = serve.status()
-    return {"proxies": {k: str(v) for k, v in st.proxies.items()}, "applications": {
-        name: {"status": str(app.status), "message": app.message, "deployments": {
-            d: {"status": str(ds.status), "replicas": {str(k): v for k, v in ds.replica_states.items()},
-                "message": ds.message} for d, ds in app.deployments.items()}}
-        for name, app in st.applications.items()}}
+    return {
+        "proxies": {k: str(v) for k, v in st.proxies.items()},
+        "applications": {
+            name: {
+                "status": str(app.status),
+                "message": app.message,
+                "deployments": {
+                    d: {
+                        "status": str(ds.status),
+                        "replicas": {str(k): v for k, v in ds.replica_states.items()},
+                        "message": ds.message,
+                    }
+                    for d, ds in app.deployments.items()
+                },
+            }
+            for name, app in st.applications.items()
+        },
+    }
 
 
 def shutdown(name: str | None = None) -> str:

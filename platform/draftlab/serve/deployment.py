@@ -44,12 +44,21 @@ LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 
 class _Metrics:
     def __init__(self):
-        self.requests = m.Counter("draftlab_requests", "Finished requests by status.", tag_keys=("status",))
+        self.requests = m.Counter(
+            "draftlab_requests", "Finished requests by status.", tag_keys=("status",)
+        )
         self.tokens = m.Counter("draftlab_generated_tokens", "Completion tokens generated.")
-        self.tau = m.Histogram("draftlab_tau", "Tokens per target forward, per request.", boundaries=TAU_BOUNDARIES)
-        self.latency = m.Histogram("draftlab_request_latency_s", "Engine time per request (queue included).",
-                                   boundaries=LATENCY_BOUNDARIES)
-        self.tokens_per_s = m.Gauge("draftlab_tokens_per_s", "Generated tokens per second over the last request.")
+        self.tau = m.Histogram(
+            "draftlab_tau", "Tokens per target forward, per request.", boundaries=TAU_BOUNDARIES
+        )
+        self.latency = m.Histogram(
+            "draftlab_request_latency_s",
+            "Engine time per request (queue included).",
+            boundaries=LATENCY_BOUNDARIES,
+        )
+        self.tokens_per_s = m.Gauge(
+            "draftlab_tokens_per_s", "Generated tokens per second over the last request."
+        )
         self.queue = m.Gauge("draftlab_queue_length", "Requests waiting for a decoding slot.")
         self.active = m.Gauge("draftlab_active_requests", "Requests being decoded.")
 
@@ -62,8 +71,11 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
     from draftlab.profiling import draft_ms, profile_target  # noqa: PLC0415
 
     rows = (tree.per_round or tree.num_nodes) + 1  # a per-round tree verifies per_round nodes
-    sizes = sorted({1, rows} | {n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < eng.max_active * rows}
-                   | {eng.max_active, eng.max_active * rows})
+    sizes = sorted(
+        {1, rows}
+        | {n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < eng.max_active * rows}
+        | {eng.max_active, eng.max_active * rows}
+    )
     costs = profile_target(target, eng.policy_context, sizes, repeats=3)
     prior_tau = 1.5  # no held-out estimate: a middling drafter's
     report = Path(drafter_dir) / "tree-search.json" if drafter_dir else None
@@ -72,8 +84,12 @@ def build_policy(target, drafter, tree, drafter_dir: str | None, eng) -> Specula
         shape = static_equivalent(tree, acc)
         if shape.depth <= len(acc) and shape.max_rank < min(len(a) for a in acc):
             prior_tau = 1.0 + expected_accepted(shape, acc)
-    return SpeculationPolicy({int(n): ms for n, ms in costs.items()}, rows, prior_tau,
-                             draft_ms(drafter, tree.depth, eng.policy_context, repeats=3))
+    return SpeculationPolicy(
+        {int(n): ms for n, ms in costs.items()},
+        rows,
+        prior_tau,
+        draft_ms(drafter, tree.depth, eng.policy_context, repeats=3),
+    )
 
 
 @serve.deployment(name="DraftEngine")
@@ -94,19 +110,42 @@ class DraftEngine:
         saved = None if pair.drafter.startswith("init:") else pair.drafter
         tree = resolve_tree(self.args.engine.tree, saved, drafter.cfg.k)
         eng = self.args.engine
-        store = NgramStore.beside(local_copy(saved)) if saved and tree.ngram else None  # the drafter's lookup store
-        self.max_context = eng.max_context or int(getattr(self.target.model.config, "max_position_embeddings", 2048))
-        self.info_ = {"model": self.args.served_model_name or pair.target.name, "target": pair.target.name,
-                      "drafter": {"family": drafter.cfg.family, "k": drafter.cfg.k, "depth": drafter.cfg.depth},
-                      "tree": [list(p) for p in tree.paths], "ngram": tree.ngram and tree.ngram.model_dump(),
-                      "lookup_store_grams": len(store.table) if store else None,
-                      "speculation": eng.speculation,
-                      "max_context": self.max_context, "source": pair.source, "device": str(self.target.device)}
+        store = (
+            NgramStore.beside(local_copy(saved)) if saved and tree.ngram else None
+        )  # the drafter's lookup store
+        self.max_context = eng.max_context or int(
+            getattr(self.target.model.config, "max_position_embeddings", 2048)
+        )
+        self.info_ = {
+            "model": self.args.served_model_name or pair.target.name,
+            "target": pair.target.name,
+            "drafter": {
+                "family": drafter.cfg.family,
+                "k": drafter.cfg.k,
+                "depth": drafter.cfg.depth,
+            },
+            "tree": [list(p) for p in tree.paths],
+            "ngram": tree.ngram and tree.ngram.model_dump(),
+            "lookup_store_grams": len(store.table) if store else None,
+            "speculation": eng.speculation,
+            "max_context": self.max_context,
+            "source": pair.source,
+            "device": str(self.target.device),
+        }
         self.metrics = _Metrics()
-        policy = build_policy(self.target, drafter, tree, saved, eng) if eng.speculation == "auto" else None
+        policy = (
+            build_policy(self.target, drafter, tree, saved, eng)
+            if eng.speculation == "auto"
+            else None
+        )
         self.info_["policy"] = policy.as_dict() if policy else None
-        self.scheduler = Scheduler(SpeculativeDecoder(self.target, drafter, tree, store), eng.speculation,
-                                   eng.max_active, policy, on_finish=self._on_finish)
+        self.scheduler = Scheduler(
+            SpeculativeDecoder(self.target, drafter, tree, store),
+            eng.speculation,
+            eng.max_active,
+            policy,
+            on_finish=self._on_finish,
+        )
         log.info("draftlab engine ready: %s", self.info_)
 
     def info(self) -> dict:
@@ -118,7 +157,9 @@ class DraftEngine:
         if req.get("messages") is not None:
             if not getattr(tok, "chat_template", None):
                 raise ValueError("this model has no chat template: use /v1/completions")
-            ids = tok.apply_chat_template(req["messages"], add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(
+                req["messages"], add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         prompt = req["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -141,15 +182,25 @@ class DraftEngine:
             return Failed("the prompt is empty", status=400, param="prompt")
         room = self.max_context - len(ids)
         if room < 1:
-            return Failed(f"this model's maximum context length is {self.max_context} tokens; the prompt has "
-                          f"{len(ids)}", status=400, param="messages" if req.get("messages") else "prompt",
-                          code="context_length_exceeded")
-        default = self.args.engine.default_max_tokens if req.get("messages") else 16  # OpenAI's completions default
+            return Failed(
+                f"this model's maximum context length is {self.max_context} tokens; the prompt has "
+                f"{len(ids)}",
+                status=400,
+                param="messages" if req.get("messages") else "prompt",
+                code="context_length_exceeded",
+            )
+        default = (
+            self.args.engine.default_max_tokens if req.get("messages") else 16
+        )  # OpenAI's completions default
         wanted = req.get("max_tokens") or min(default, room)
         if wanted > room:
-            return Failed(f"this model's maximum context length is {self.max_context} tokens; you requested "
-                          f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
-                          status=400, param="max_tokens", code="context_length_exceeded")
+            return Failed(
+                f"this model's maximum context length is {self.max_context} tokens; you requested "
+                f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
+                status=400,
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return ids, SamplingParams(max_new_tokens=wanted, **req["sampling"])
 
     async def generate(self, req: dict):
@@ -163,7 +214,13 @@ class DraftEngine:
         async for event in self._decode(ids, params, req.get("speculation")):
             yield event
 
-    async def _decode(self, ids: list[int], params: SamplingParams, speculation: str | None, internal: bool = False):
+    async def _decode(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        speculation: str | None,
+        internal: bool = False,
+    ):
         from draftlab.serve.scheduler import ShuttingDown  # noqa: PLC0415 -- torch: the engine replica only (module docstring)
 
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -179,7 +236,9 @@ class DraftEngine:
         try:
             while True:
                 event = await queue.get()
-                if isinstance(event, Failed) and not self.scheduler.alive:  # shut down under it: retryable
+                if (
+                    isinstance(event, Failed) and not self.scheduler.alive
+                ):  # shut down under it: retryable
                     event = dataclasses.replace(event, status=503)
                 yield event
                 if isinstance(event, Done | Failed):
@@ -212,7 +271,9 @@ class DraftEngine:
             raise RuntimeError("the decoding thread has stopped")
         if s.num_active:  # busy: real requests are the probe
             if time.monotonic() - s.last_step > HEALTH_STALL_S:
-                raise RuntimeError(f"no decoding round finished for {HEALTH_STALL_S:.0f} s with {s.num_active} active")
+                raise RuntimeError(
+                    f"no decoding round finished for {HEALTH_STALL_S:.0f} s with {s.num_active} active"
+                )
             return
         # idle: one speculative round end to end (prefill, draft, verify) on a 1-token prompt
         async for event in self._decode([0], SamplingParams(max_new_tokens=2), "on", internal=True):

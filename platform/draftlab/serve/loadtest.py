@@ -50,14 +50,23 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, messages: list[dict], mode: str) -> Outcome:
-    body = {"model": model, "messages": messages, "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature, "stream": cfg.stream}
+async def _one(
+    client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, messages: list[dict], mode: str
+) -> Outcome:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": cfg.stream,
+    }
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
     if mode != "server":
         body["speculation"] = mode  # draftlab's engine
-    if mode == "off":  # vLLM served by draftlab: this request's draft tokens capped at 0 (`vllm_scheduler`)
+    if (
+        mode == "off"
+    ):  # vLLM served by draftlab: this request's draft tokens capped at 0 (`vllm_scheduler`)
         body["vllm_xargs"] = {REQUEST_K: 0}
     t0 = time.perf_counter()
     ttft, usage = None, None
@@ -65,27 +74,41 @@ async def _one(client: httpx.AsyncClient, cfg: LoadtestConfig, model: str, messa
         if not cfg.stream:
             r = await client.post("/chat/completions", json=body)
             if r.status_code != 200:
-                return Outcome(False, time.perf_counter() - t0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+                return Outcome(
+                    False, time.perf_counter() - t0, error=f"HTTP {r.status_code}: {r.text[:200]}"
+                )
             usage = r.json()["usage"]
         else:
             async with client.stream("POST", "/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
-                    return Outcome(False, time.perf_counter() - t0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+                    return Outcome(
+                        False,
+                        time.perf_counter() - t0,
+                        error=f"HTTP {r.status_code}: {r.text[:200]}",
+                    )
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        return Outcome(False, time.perf_counter() - t0, error=chunk["error"]["message"])
-                    if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        return Outcome(
+                            False, time.perf_counter() - t0, error=chunk["error"]["message"]
+                        )
+                    if (
+                        ttft is None
+                        and chunk["choices"]
+                        and chunk["choices"][0]["delta"].get("content")
+                    ):
                         ttft = time.perf_counter() - t0
                     usage = chunk.get("usage") or usage
     except (httpx.HTTPError, KeyError, json.JSONDecodeError) as e:
         return Outcome(False, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
     if usage is None:
         return Outcome(False, time.perf_counter() - t0, error="no usage in the response")
-    return Outcome(True, time.perf_counter() - t0, ttft, usage["completion_tokens"], usage.get("speculative"))
+    return Outcome(
+        True, time.perf_counter() - t0, ttft, usage["completion_tokens"], usage.get("speculative")
+    )
 
 
 def replica_rss_mb() -> dict[str, float]:
@@ -98,8 +121,15 @@ def replica_rss_mb() -> dict[str, float]:
     return out
 
 
-async def _level(client, cfg: LoadtestConfig, model: str, chats: list[Prompt], concurrency: int, mode: str,
-                 progress: bool = False) -> dict:
+async def _level(
+    client,
+    cfg: LoadtestConfig,
+    model: str,
+    chats: list[Prompt],
+    concurrency: int,
+    mode: str,
+    progress: bool = False,
+) -> dict:
     n = cfg.requests or max(len(chats), 2 * concurrency)
     todo = iter(range(n)) if cfg.duration_s is None else itertools.count()
     prompts = itertools.cycle(chats)
@@ -123,8 +153,11 @@ async def _level(client, cfg: LoadtestConfig, model: str, chats: list[Prompt], c
             rss.append((time.perf_counter() - t0, replica_rss_mb()))
             if progress:
                 done = [o for o in outcomes if o.end_s >= t0 + rss[-1][0] - cfg.window_s]
-                print(f"  {rss[-1][0]:.0f} s: {len(done)} requests in the last window, "
-                      f"{sum(not o.ok for o in done)} errors, replica RSS {sum(rss[-1][1].values()):.0f} MiB", flush=True)
+                print(
+                    f"  {rss[-1][0]:.0f} s: {len(done)} requests in the last window, "
+                    f"{sum(not o.ok for o in done)} errors, replica RSS {sum(rss[-1][1].values()):.0f} MiB",
+                    flush=True,
+                )
 
     sampler = asyncio.create_task(sample_memory()) if cfg.duration_s else None
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -133,11 +166,17 @@ async def _level(client, cfg: LoadtestConfig, model: str, chats: list[Prompt], c
     if sampler:
         sampler.cancel()
         rss.append((wall, replica_rss_mb()))
-        out |= {"rss_mb_start": rss[0][1], "rss_mb_end": rss[-1][1], "timeline": timeline(outcomes, t0, cfg.window_s, rss)}
+        out |= {
+            "rss_mb_start": rss[0][1],
+            "rss_mb_end": rss[-1][1],
+            "timeline": timeline(outcomes, t0, cfg.window_s, rss),
+        }
     return out
 
 
-def timeline(outcomes: list[Outcome], t0: float, window_s: float, rss: list[tuple[float, dict]]) -> list[dict]:
+def timeline(
+    outcomes: list[Outcome], t0: float, window_s: float, rss: list[tuple[float, dict]]
+) -> list[dict]:
     """Per window (by finish time): requests, errors, latency p50/p95, replica RSS (MiB, total)
     at the sample closest to the window's end."""
     windows: dict[int, list[Outcome]] = {}
@@ -148,9 +187,16 @@ def timeline(outcomes: list[Outcome], t0: float, window_s: float, rss: list[tupl
         lats = [o.latency_s for o in items if o.ok]
         end = (w + 1) * window_s
         mem = min(rss, key=lambda r: abs(r[0] - end))[1]
-        rows.append({"window_end_s": end, "requests": len(items), "errors": sum(not o.ok for o in items),
-                     "latency_p50_s": _percentile(lats, 50), "latency_p95_s": _percentile(lats, 95),
-                     "replica_rss_mb": round(sum(mem.values()), 1)})
+        rows.append(
+            {
+                "window_end_s": end,
+                "requests": len(items),
+                "errors": sum(not o.ok for o in items),
+                "latency_p50_s": _percentile(lats, 50),
+                "latency_p95_s": _percentile(lats, 95),
+                "replica_rss_mb": round(sum(mem.values()), 1),
+            }
+        )
     return rows
 
 
@@ -161,18 +207,29 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
     forwards = sum(s["target_forwards"] for s in specs)
     ttfts, lats = [o.ttft_s for o in ok if o.ttft_s is not None], [o.latency_s for o in ok]
     return {
-        "requests": len(outcomes), "errors": len(outcomes) - len(ok), "wall_s": wall_s,
+        "requests": len(outcomes),
+        "errors": len(outcomes) - len(ok),
+        "wall_s": wall_s,
         "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
         "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
-        "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
-        "latency_p50_s": _percentile(lats, 50), "latency_p95_s": _percentile(lats, 95),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p95_s": _percentile(ttfts, 95),
+        "latency_p50_s": _percentile(lats, 50),
+        "latency_p95_s": _percentile(lats, 95),
         "tau": (forwards + sum(s["accepted"] for s in specs)) / forwards if forwards else None,
         "drafted": sum(s["drafted"] for s in specs),  # draft tokens the target verified
         "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
         "error_samples": sorted({o.error for o in outcomes if not o.ok})[:3],
         # per prompt kind: each request's own output tokens/s (completion tokens / latency), averaged
-        "by_kind": {kind: {"requests": len(rows), "request_tokens_per_s": statistics.fmean(
-            o.completion_tokens / o.latency_s for o in rows)} for kind, rows in _by_kind(ok).items()},
+        "by_kind": {
+            kind: {
+                "requests": len(rows),
+                "request_tokens_per_s": statistics.fmean(
+                    o.completion_tokens / o.latency_s for o in rows
+                ),
+            }
+            for kind, rows in _by_kind(ok).items()
+        },
     }
 
 
@@ -188,8 +245,9 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
     chats = load_prompts(cfg.prompts)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4)
-    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout_s,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=cfg.url.rstrip("/"), headers=headers, timeout=cfg.timeout_s, limits=limits
+    ) as client:
         model = cfg.model
         if model is None:
             r = await client.get("/models")
@@ -197,8 +255,14 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
             model = r.json()["data"][0]["id"]
         warm = min(len(chats), 16) if cfg.warmup is None else cfg.warmup
         for mode in cfg.speculation if warm else ():
-            await _level(client, cfg.model_copy(update={"requests": warm, "duration_s": None}), model, chats,
-                         min(max(cfg.concurrency), warm), mode)
+            await _level(
+                client,
+                cfg.model_copy(update={"requests": warm, "duration_s": None}),
+                model,
+                chats,
+                min(max(cfg.concurrency), warm),
+                mode,
+            )
         levels = []
         for c in cfg.concurrency:
             for mode in cfg.speculation:
@@ -206,15 +270,23 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
                 levels.append(res)
                 if progress:
                     print(format_row(res), flush=True)
-    return {"url": cfg.url, "model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-            "stream": cfg.stream, "levels": levels}
+    return {
+        "url": cfg.url,
+        "model": model,
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": cfg.stream,
+        "levels": levels,
+    }
 
 
 def run_loadtest(cfg: LoadtestConfig, progress: bool = True) -> dict:
     try:
         report = asyncio.run(_run(cfg, progress))
     except httpx.ConnectError as e:
-        raise ConnectionError(f"cannot reach {cfg.url} ({e}): is `draftlab serve` running?") from None
+        raise ConnectionError(
+            f"cannot reach {cfg.url} ({e}): is `draftlab serve` running?"
+        ) from None
     if cfg.json_out:
         Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -224,8 +296,14 @@ def format_row(r: dict) -> str:
     def s(v):
         return "-" if v is None else f"{v:.2f}"
 
-    return (f"c={r['concurrency']:<3} spec={r['speculation']:<6} req/s {s(r['requests_per_s'])}  tok/s "
-            f"{s(r['output_tokens_per_s'])}  ttft p50/p95 {s(r['ttft_p50_s'])}/{s(r['ttft_p95_s'])} s  latency "
-            f"p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  errors {r['errors']}"
-            + ("\n      per request tok/s by kind: " + ", ".join(
-                f"{k} {v['request_tokens_per_s']:.1f}" for k, v in r["by_kind"].items()) if r.get("by_kind") else ""))
+    return (
+        f"c={r['concurrency']:<3} spec={r['speculation']:<6} req/s {s(r['requests_per_s'])}  tok/s "
+        f"{s(r['output_tokens_per_s'])}  ttft p50/p95 {s(r['ttft_p50_s'])}/{s(r['ttft_p95_s'])} s  latency "
+        f"p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  errors {r['errors']}"
+        + (
+            "\n      per request tok/s by kind: "
+            + ", ".join(f"{k} {v['request_tokens_per_s']:.1f}" for k, v in r["by_kind"].items())
+            if r.get("by_kind")
+            else ""
+        )
+    )

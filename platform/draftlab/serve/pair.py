@@ -41,14 +41,18 @@ def default_model_uri(args: ServeArgs) -> str:
 def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
     """`models:/name@alias` -> (name, alias, None); `models:/name/3` -> (name, None, "3")."""
     if not uri.startswith("models:/"):
-        raise ConfigError(f"model_uri {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>")
+        raise ConfigError(
+            f"model_uri {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>"
+        )
     rest = uri.removeprefix("models:/").strip("/")
     if "@" in rest:
         name, alias = rest.split("@", 1)
         return name, alias, None
     name, _, version = rest.rpartition("/")
     if not name or not version.isdigit():
-        raise ConfigError(f"model_uri {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>")
+        raise ConfigError(
+            f"model_uri {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>"
+        )
     return name, None, version
 
 
@@ -61,10 +65,16 @@ def model_version(args: ServeArgs):
     name, alias, version = _parse_models_uri(uri)
     tracking, client = mlflow_client(args.tracking_uri)
     try:
-        mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+        mv = (
+            client.get_model_version_by_alias(name, alias)
+            if alias
+            else client.get_model_version(name, version)
+        )
     except MlflowException as e:
-        raise ConfigError(f"model_uri {uri!r} not found in MLflow at {tracking}: {e.message.splitlines()[0]} "
-                          f"(train and promote one first: `draftlab sweep` or `draftlab promote RUN_ID`)") from None
+        raise ConfigError(
+            f"model_uri {uri!r} not found in MLflow at {tracking}: {e.message.splitlines()[0]} "
+            f"(train and promote one first: `draftlab sweep` or `draftlab promote RUN_ID`)"
+        ) from None
     return uri, tracking, mv
 
 
@@ -81,11 +91,16 @@ def cached_drafter(client, run_id: str) -> Path:
     `$DRAFTLAB_CACHE/storage`): downloaded once per machine and shared by its replicas,
     fetched again file by file when a stored file's size changes."""
 
-    def fetch(rel: str, local: Path) -> None:  # each file whole: downloaded beside it, then moved in
+    def fetch(
+        rel: str, local: Path
+    ) -> None:  # each file whole: downloaded beside it, then moved in
         with tempfile.TemporaryDirectory(dir=local.parent, prefix=".download-") as tmp:
             os.replace(client.download_artifacts(run_id, f"drafter/{rel}", tmp), local)
 
-    stored = {posixpath.relpath(p, "drafter"): [size] for p, size in _artifact_sizes(client, run_id, "drafter").items()}
+    stored = {
+        posixpath.relpath(p, "drafter"): [size]
+        for p, size in _artifact_sizes(client, run_id, "drafter").items()
+    }
     return sync_mirror(mirror_dir(f"runs:/{run_id}/drafter"), stored, fetch)
 
 
@@ -101,5 +116,14 @@ def resolve_pair(args: ServeArgs) -> Pair:
     target = args.target
     if "target" not in args.model_fields_set:  # the drafter knows its target
         target = args.target.model_copy(update={"name": cfg["target_name"]})
-    return Pair(target, str(local), {"model_uri": uri, "registered_model": mv.name, "version": str(mv.version),
-                                "run_id": mv.run_id, "tracking_uri": tracking})
+    return Pair(
+        target,
+        str(local),
+        {
+            "model_uri": uri,
+            "registered_model": mv.name,
+            "version": str(mv.version),
+            "run_id": mv.run_id,
+            "tracking_uri": tracking,
+        },
+    )

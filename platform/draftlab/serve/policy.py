@@ -23,8 +23,13 @@ EMA = 0.05  # weight of one round in the running means (~20-round memory)
 
 
 class SpeculationPolicy:
-    def __init__(self, target_ms: dict[int, float], rows_per_request: int, prior_tau: float,
-                 prior_draft_ms: float):
+    def __init__(
+        self,
+        target_ms: dict[int, float],
+        rows_per_request: int,
+        prior_tau: float,
+        prior_draft_ms: float,
+    ):
         if not target_ms:
             raise ValueError("the policy needs at least one measured target forward size")
         self.sizes = sorted(target_ms)
@@ -62,9 +67,13 @@ class SpeculationPolicy:
         self.draft_ms += EMA * (draft_ms - self.draft_ms)
 
     def as_dict(self) -> dict:
-        return {"tau": self.tau, "draft_ms": self.draft_ms, "rows_per_request": self.rows,
-                "target_ms": dict(zip(self.sizes, self.costs, strict=True)),
-                "break_even_requests": self.break_even()}
+        return {
+            "tau": self.tau,
+            "draft_ms": self.draft_ms,
+            "rows_per_request": self.rows,
+            "target_ms": dict(zip(self.sizes, self.costs, strict=True)),
+            "break_even_requests": self.break_even(),
+        }
 
     def break_even(self, limit: int = 256) -> int | None:
         """The smallest load at which plain steps win (None: drafting wins up to `limit`)."""

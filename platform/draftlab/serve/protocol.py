@@ -27,15 +27,35 @@ GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (see `_Request.sa
 class APIError(Exception):
     """An error returned to the client as OpenAI's error JSON with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": _printable(self.message), "type": self.type, "param": _printable(self.param),
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": _printable(self.message),
+                "type": self.type,
+                "param": _printable(self.param),
+                "code": self.code,
+            }
+        }
 
 
 def _printable(text: str | None) -> str | None:
@@ -43,11 +63,18 @@ def _printable(text: str | None) -> str | None:
     return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def unavailable(message: str, retry_after_s: float, code: str = "service_unavailable", status: int = 503) -> APIError:
+def unavailable(
+    message: str, retry_after_s: float, code: str = "service_unavailable", status: int = 503
+) -> APIError:
     """A retryable error: the request was not served, sending it again later may work.
     OpenAI's clients retry 503s (and 429s) by themselves, waiting `Retry-After` seconds."""
-    return APIError(status, message, code=code, type_="server_error",
-                    headers={"Retry-After": str(max(0, math.ceil(retry_after_s)))})
+    return APIError(
+        status,
+        message,
+        code=code,
+        type_="server_error",
+        headers={"Retry-After": str(max(0, math.ceil(retry_after_s)))},
+    )
 
 
 class ErrorDetail(BaseModel):
@@ -77,7 +104,9 @@ class _Request(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**64 - 1
+    )  # what torch.Generator.manual_seed takes
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -109,23 +138,41 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)",
-                           param="n", code="unsupported_value")
-        unsupported = {"logprobs": self.logprobs not in (None, False, 0), "best_of": self.best_of not in (None, 1),
-                       "presence_penalty": self.presence_penalty != 0.0,
-                       "frequency_penalty": self.frequency_penalty != 0.0, "logit_bias": bool(self.logit_bias),
-                       "tools": bool(self.tools), "echo": self.echo}
+            raise APIError(
+                400,
+                f"n={self.n} is not supported: this server returns one choice per request (n=1)",
+                param="n",
+                code="unsupported_value",
+            )
+        unsupported = {
+            "logprobs": self.logprobs not in (None, False, 0),
+            "best_of": self.best_of not in (None, 1),
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "logit_bias": bool(self.logit_bias),
+            "tools": bool(self.tools),
+            "echo": self.echo,
+        }
         for name, used in unsupported.items():
             if used:
-                raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"'{name}' is not supported by this server",
+                    param=name,
+                    code="unsupported_parameter",
+                )
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         # A tiny temperature overflows logits / temperature in float32 (inf, then NaN
         # probabilities); below GREEDY_BELOW the distribution is one-hot anyway: greedy, as in vLLM.
         temperature = self.temperature if (self.temperature or 0.0) >= GREEDY_BELOW else 0.0
-        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, stop=self.stop or [],
-                              seed=self.seed)
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            stop=self.stop or [],
+            seed=self.seed,
+        )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -143,11 +190,25 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise APIError(400, "a list of several prompts is not supported: send one request per prompt",
-                           param="prompt", code="unsupported_value")
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], str)
+            and len(self.prompt) != 1
+        ):
+            raise APIError(
+                400,
+                "a list of several prompts is not supported: send one request per prompt",
+                param="prompt",
+                code="unsupported_value",
+            )
         if self.suffix:
-            raise APIError(400, "'suffix' is not supported by this server", param="suffix", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "'suffix' is not supported by this server",
+                param="suffix",
+                code="unsupported_parameter",
+            )
 
 
 class ChatMessage(BaseModel):
@@ -161,7 +222,12 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", param="messages", code="unsupported_value")
+                raise APIError(
+                    400,
+                    "only text content parts are supported",
+                    param="messages",
+                    code="unsupported_value",
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -176,21 +242,31 @@ def parse_request(model: type[_Request], body: bytes) -> _Request:
         data = json.loads(body or b"null")
         bad = _invalid_unicode(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        raise APIError(
+            400, f"the request body is not valid JSON: {e}", code="invalid_json"
+        ) from None
     except RecursionError:  # `[[[[...` a few thousand deep
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     if bad is not None:
-        raise APIError(400, f"invalid value for '{bad}': not valid Unicode (a lone surrogate such as \\ud800)",
-                       param=bad or None, code="invalid_unicode")
+        raise APIError(
+            400,
+            f"invalid value for '{bad}': not valid Unicode (a lone surrogate such as \\ud800)",
+            param=bad or None,
+            code="invalid_unicode",
+        )
     try:
         req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None  # e.g. "messages.0.role"
-        raise APIError(400, f"invalid value for '{param}': {err['msg']}", param=param,
-                       code="missing_required_parameter" if err["type"] == "missing" else "invalid_type") from None
+        raise APIError(
+            400,
+            f"invalid value for '{param}': {err['msg']}",
+            param=param,
+            code="missing_required_parameter" if err["type"] == "missing" else "invalid_type",
+        ) from None
     req.check_supported()
     return req
 
@@ -204,7 +280,13 @@ def _invalid_unicode(value: Any, path: str = "") -> str | None:
         except UnicodeEncodeError:
             return path
         return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for key, item in items:
         where = f"{path}.{key}" if path else str(key)
         if isinstance(key, str) and _invalid_unicode(key) is not None:
@@ -217,38 +299,75 @@ def _invalid_unicode(value: Any, path: str = "") -> str | None:
 
 # ------------------------------------------------------------------- responses
 
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, stats: dict) -> dict:
     """OpenAI `usage` plus `speculative`: tau (tokens per target forward), drafted/accepted."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "speculative": {"tau": stats.get("tau", 1.0), "drafted": stats.get("drafted", 0),
-                            "accepted": stats.get("accepted", 0), "target_forwards": stats.get("rounds", 0)}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": {
+            "tau": stats.get("tau", 1.0),
+            "drafted": stats.get("drafted", 0),
+            "accepted": stats.get("accepted", 0),
+            "target_forwards": stats.get("rounds", 0),
+        },
+    }
 
 
-def completion_body(rid: str, model: str, chat: bool, text: str, finish: str | None, use: dict | None) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+def completion_body(
+    rid: str, model: str, chat: bool, text: str, finish: str | None, use: dict | None
+) -> dict:
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    )
+    body = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     if use is not None:
         body["usage"] = use
     return body
 
 
-def chunk_body(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
+def chunk_body(
+    rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False
+) -> dict:
     if chat:
-        delta = ({"role": "assistant", "content": text or ""} if first else {} if text is None else {"content": text})
+        delta = (
+            {"role": "assistant", "content": text or ""}
+            if first
+            else {}
+            if text is None
+            else {"content": text}
+        )
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [], "usage": use}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": use,
+    }

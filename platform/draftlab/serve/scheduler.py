@@ -66,8 +66,14 @@ class Ticket:
 class Scheduler:
     """Owns the decoding thread. Up to `max_active` sessions step together; more wait."""
 
-    def __init__(self, decoder: SpeculativeDecoder, speculation: str = "auto", max_active: int = 16,
-                 policy: SpeculationPolicy | None = None, on_finish: Callable[[Ticket], None] | None = None):
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        speculation: str = "auto",
+        max_active: int = 16,
+        policy: SpeculationPolicy | None = None,
+        on_finish: Callable[[Ticket], None] | None = None,
+    ):
         self.decoder = decoder
         self.speculation, self.max_active = speculation, max_active
         self.policy = policy  # `auto` without a policy drafts every round
@@ -82,8 +88,14 @@ class Scheduler:
         self._thread.start()
 
     # -- called from request handlers -----------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, publish: Callable[[EngineEvent], None],
-               speculation: str | None = None, internal: bool = False) -> Ticket:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        publish: Callable[[EngineEvent], None],
+        speculation: str | None = None,
+        internal: bool = False,
+    ) -> Ticket:
         mode = speculation or self.speculation
         if mode == "auto" and params.seed is not None and not params.greedy:
             # Which rounds draft changes which random numbers a sample uses: a seeded sample
@@ -181,8 +193,14 @@ class Scheduler:
         self._publish_delta(t)
         if t.session.done:
             result = t.session.result()
-            t.publish(Done(finish_reason=result.finish_reason, stats=result.stats.as_dict(),
-                           completion_tokens=len(result.tokens), queued_s=t.session.t_start - t.submitted))
+            t.publish(
+                Done(
+                    finish_reason=result.finish_reason,
+                    stats=result.stats.as_dict(),
+                    completion_tokens=len(result.tokens),
+                    queued_s=t.session.t_start - t.submitted,
+                )
+            )
             self._retire(t)
 
     def _fail(self, t: Ticket, e: Exception) -> None:

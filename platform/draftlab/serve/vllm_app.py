@@ -49,11 +49,20 @@ from draftlab.config import ConfigError, NgramSpec, ServingCommon, TargetSpec
 from draftlab.serve.pair import resolve_pair
 
 log = logging.getLogger(__name__)
-KEY_FIELDS = {"api_keys", "api_keys_env", "api_keys_file"}  # what the ingress replica needs of the args
+KEY_FIELDS = {
+    "api_keys",
+    "api_keys_env",
+    "api_keys_file",
+}  # what the ingress replica needs of the args
 OWNED_ENGINE_KWARGS = {  # engine_kwargs keys this module sets (from its own fields)
-    "model": "target", "served_model_name": "served_model_name", "speculative_config": "speculation",
-    "dtype": "target.dtype", "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
-    "enforce_eager": "enforce_eager", "tensor_parallel_size": "tensor_parallel_size",
+    "model": "target",
+    "served_model_name": "served_model_name",
+    "speculative_config": "speculation",
+    "dtype": "target.dtype",
+    "max_model_len": "max_model_len",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "enforce_eager": "enforce_eager",
+    "tensor_parallel_size": "tensor_parallel_size",
     "scheduler_cls": "prompt_lookup",
 }
 
@@ -134,27 +143,40 @@ class VllmServeArgs(ServingCommon):
     def _no_owned_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
         owned = sorted(k for k in v if k in OWNED_ENGINE_KWARGS)
         if owned:
-            raise ValueError("set " + ", ".join(f"`{k}` through `{OWNED_ENGINE_KWARGS[k]}`" for k in owned)
-                             + ", not engine_kwargs")
+            raise ValueError(
+                "set "
+                + ", ".join(f"`{k}` through `{OWNED_ENGINE_KWARGS[k]}`" for k in owned)
+                + ", not engine_kwargs"
+            )
         return v
 
     @model_validator(mode="after")
     def _consistent(self) -> VllmServeArgs:
         device = {"cpu": "cpu", "gpu": "cuda"}[self.accelerator]
         if self.target.device not in ("auto", device):
-            raise ValueError(f"target.device {self.target.device!r} contradicts accelerator {self.accelerator!r}")
+            raise ValueError(
+                f"target.device {self.target.device!r} contradicts accelerator {self.accelerator!r}"
+            )
         if self.schedule is not None:
             ranges = sorted(self.schedule)
-            if not ranges or ranges[0][0] != 1 or any(a < 1 or b < a or n < 0 for a, b, n in ranges) or any(
-                    nxt[0] <= prev[1] for prev, nxt in itertools.pairwise(ranges)):
-                raise ValueError(f"schedule {self.schedule}: [first, last, k] ranges must start at batch size 1, "
-                                 "not overlap, have first <= last and k >= 0")
+            if (
+                not ranges
+                or ranges[0][0] != 1
+                or any(a < 1 or b < a or n < 0 for a, b, n in ranges)
+                or any(nxt[0] <= prev[1] for prev, nxt in itertools.pairwise(ranges))
+            ):
+                raise ValueError(
+                    f"schedule {self.schedule}: [first, last, k] ranges must start at batch size 1, "
+                    "not overlap, have first <= last and k >= 0"
+                )
         if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
             raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
         if self.accelerator_type:
             types = sorted(v for k, v in vars(known).items() if k.isupper() and isinstance(v, str))
             if self.accelerator_type not in types:
-                raise ValueError(f"accelerator_type {self.accelerator_type!r} is not one of Ray's: {', '.join(types)}")
+                raise ValueError(
+                    f"accelerator_type {self.accelerator_type!r} is not one of Ray's: {', '.join(types)}"
+                )
         return self
 
     @property
@@ -165,8 +187,13 @@ class VllmServeArgs(ServingCommon):
 
 # ------------------------------------------------------------ on each replica, before vLLM starts
 
+
 def _export_dir(args: VllmServeArgs) -> Path:
-    return Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="draftlab-vllm-drafter-"))
+    return (
+        Path(args.export_dir)
+        if args.export_dir
+        else Path(tempfile.mkdtemp(prefix="draftlab-vllm-drafter-"))
+    )
 
 
 def _vllm_layout(path: Path) -> bool:
@@ -181,7 +208,9 @@ def _lookups(args: VllmServeArgs, served: NgramSpec | None) -> NgramSpec | None:
     return {"tree": served, "on": served or NgramSpec(), "off": None}[args.prompt_lookup]
 
 
-def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple[str, int, NgramSpec | None]:
+def vllm_drafter(
+    drafter: str, target: TargetSpec, args: VllmServeArgs
+) -> tuple[str, int, NgramSpec | None]:
     """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step, prompt lookups to merge
     in or None) for a drafter: a saved `p-eagle` drafter (exported), an export or other EAGLE-3
     checkpoint (as it is), or `init:<family>`."""
@@ -194,14 +223,25 @@ def vllm_drafter(drafter: str, target: TargetSpec, args: VllmServeArgs) -> tuple
         from draftlab.models.target import load_target  # noqa: PLC0415
 
         k, loaded = args.num_speculative_tokens or 4, load_target(target)
-        saved = init_drafter(drafter.removeprefix("init:"), loaded, k=k).save(tempfile.mkdtemp(prefix="draftlab-init-"))
+        saved = init_drafter(drafter.removeprefix("init:"), loaded, k=k).save(
+            tempfile.mkdtemp(prefix="draftlab-init-")
+        )
         return str(export_vllm(saved, _export_dir(args), loaded)), k, _lookups(args, None)
     if _vllm_layout(path):
         if args.num_speculative_tokens is None:
-            raise ConfigError(f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens")
+            raise ConfigError(
+                f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens"
+            )
         return str(path), args.num_speculative_tokens, _lookups(args, None)
-    k, lookups = args.num_speculative_tokens or served_draft_length(path), _lookups(args, served_lookups(path))
-    return str(export_vllm(path, _export_dir(args))), k, lookups  # loads the drafter's target: its head rows are copied
+    k, lookups = (
+        args.num_speculative_tokens or served_draft_length(path),
+        _lookups(args, served_lookups(path)),
+    )
+    return (
+        str(export_vllm(path, _export_dir(args))),
+        k,
+        lookups,
+    )  # loads the drafter's target: its head rows are copied
 
 
 def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
@@ -215,10 +255,19 @@ def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
     from draftlab.vllm_scheduler import builtin_config, engine_kwargs, with_schedule  # noqa: PLC0415
 
     if args.method != "drafter":  # vLLM's own drafting: nothing to resolve
-        spec = builtin_config(args.method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                              args.suffix_cached_requests)
+        spec = builtin_config(
+            args.method,
+            args.num_speculative_tokens,
+            args.ngram_min,
+            args.ngram_max,
+            args.suffix_cached_requests,
+        )
         engine = engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0))
-        return vllm_target_dir(args.target), with_schedule(engine, args.schedule), {"method": args.method}
+        return (
+            vllm_target_dir(args.target),
+            with_schedule(engine, args.schedule),
+            {"method": args.method},
+        )
     pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
     model, k, lookups = vllm_drafter(pair.drafter, pair.target, args)
     engine = engine_kwargs(lookups, vllm_speculative_config(model, k), k)
@@ -231,13 +280,19 @@ class ChampionCallback(CallbackBase):
 
     async def on_before_node_init(self) -> None:
         args = VllmServeArgs.model_validate(self.kwargs["args"])
-        model, engine, source = await asyncio.to_thread(resolve_engine, args)  # MLflow download, export
+        model, engine, source = await asyncio.to_thread(
+            resolve_engine, args
+        )  # MLflow download, export
         log.info("draftlab: vLLM target %s, engine %s (from %s)", model, engine, source)
         self.llm_config.model_loading_config.model_source = model
-        self.llm_config.get_engine_config().hf_model_id = model  # the engine config is cached: set both
+        self.llm_config.get_engine_config().hf_model_id = (
+            model  # the engine config is cached: set both
+        )
         if "additional_config" in engine:  # the user's (engine_kwargs) with the lookups' settings
-            engine["additional_config"] = self.llm_config.engine_kwargs.get("additional_config", {}) | engine[
-                "additional_config"]
+            engine["additional_config"] = (
+                self.llm_config.engine_kwargs.get("additional_config", {})
+                | engine["additional_config"]
+            )
         if engine:
             self.llm_config.update_engine_kwargs(**engine)
         if Path(model).is_dir():  # nothing for Ray to download on the node
@@ -246,24 +301,35 @@ class ChampionCallback(CallbackBase):
 
 # ------------------------------------------------------------------------------ the application
 
+
 def llm_config(args: VllmServeArgs):
     """The `ray.serve.llm.LLMConfig` of `args` (the drafter is filled in on the replica)."""
     from ray.serve.llm import LLMConfig  # noqa: PLC0415 -- ray.serve.llm imports vLLM (module docstring)
 
     gpu = args.accelerator == "gpu"
     bundle = {"GPU": 1, "CPU": args.num_cpus} if gpu else {"CPU": args.num_cpus}
-    engine = {"dtype": args.target.dtype, "gpu_memory_utilization": args.gpu_memory_utilization,
-              "enforce_eager": args.enforce_eager, "trust_remote_code": args.target.trust_remote_code,
-              **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
-              **({"tensor_parallel_size": args.tensor_parallel_size} if gpu else {}), **args.engine_kwargs}
+    engine = {
+        "dtype": args.target.dtype,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+        "trust_remote_code": args.target.trust_remote_code,
+        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+        **({"tensor_parallel_size": args.tensor_parallel_size} if gpu else {}),
+        **args.engine_kwargs,
+    }
     return LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.target.name},
         engine_kwargs=engine,
         accelerator_type=args.accelerator_type,
-        placement_group_config={"bundles": [bundle] * args.tensor_parallel_size, "strategy": "STRICT_PACK"},
+        placement_group_config={
+            "bundles": [bundle] * args.tensor_parallel_size,
+            "strategy": "STRICT_PACK",
+        },
         runtime_env={"env_vars": dict(args.env)} if args.env else None,
-        callback_config={"callback_class": f"{__name__}:ChampionCallback",
-                         "callback_kwargs": {"args": args.model_dump(mode="json")}},
+        callback_config={
+            "callback_class": f"{__name__}:ChampionCallback",
+            "callback_kwargs": {"args": args.model_dump(mode="json")},
+        },
         deployment_config={
             # The replica's own process only relays to vLLM's engine process: the bundle's CPUs are
             # the engine's (Ray would otherwise add 1 CPU to the first bundle for the replica).
@@ -282,8 +348,17 @@ def build_vllm_app(args: VllmServeArgs) -> Application:
     """The application `serving/*-vllm.yaml` name (`import_path: draftlab.serve.vllm_app:build_vllm_app`)."""
     from ray.serve.llm import build_openai_app  # noqa: PLC0415 -- ray.serve.llm imports vLLM (module docstring)
 
-    ingress = {"ingress_cls": "draftlab.serve.vllm_ingress:Ingress",  # Ray's, + API keys, OpenAI error shape
-               "ingress_extra_kwargs": {"auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True)}}
+    ingress = {
+        "ingress_cls": "draftlab.serve.vllm_ingress:Ingress",  # Ray's, + API keys, OpenAI error shape
+        "ingress_extra_kwargs": {
+            "auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True)
+        },
+    }
     # The ingress only relays: no CPU of its own, so a 2-core machine keeps its cores for vLLM.
-    return build_openai_app({"llm_configs": [llm_config(args)], "ingress_cls_config": ingress,
-                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+    return build_openai_app(
+        {
+            "llm_configs": [llm_config(args)],
+            "ingress_cls_config": ingress,
+            "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}},
+        }
+    )

@@ -38,8 +38,14 @@ def _checked(route):
             return _error(e)
         except HTTPException as e:
             not_found = e.status_code == 404
-            return _error(APIError(e.status_code, str(e.detail), param="model" if not_found else None,
-                                   code="model_not_found" if not_found else None))
+            return _error(
+                APIError(
+                    e.status_code,
+                    str(e.detail),
+                    param="model" if not_found else None,
+                    code="model_not_found" if not_found else None,
+                )
+            )
 
     return checked
 
@@ -48,7 +54,10 @@ class Ingress(OpenAiIngress):
     def __init__(self, llm_deployments, model_cards, *, auth: dict | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
         args = ServingCommon.model_validate(auth or {})
-        self.keys, self.auth_enabled = args.accepted_keys(), args.auth_enabled  # read here, on the replica
+        self.keys, self.auth_enabled = (
+            args.accepted_keys(),
+            args.auth_enabled,
+        )  # read here, on the replica
 
     async def models(self, request: Request):
         try:

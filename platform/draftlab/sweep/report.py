@@ -10,7 +10,17 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-COLUMNS = ["trial", "family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "drafter_parameters"]
+COLUMNS = [
+    "trial",
+    "family",
+    "k",
+    "depth",
+    "tree",
+    "tree_nodes",
+    "tau",
+    "speedup_vs_ar",
+    "drafter_parameters",
+]
 
 
 def write_csv(rows: list[dict], path: str | Path) -> Path:
@@ -76,7 +86,17 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
     for (family, depth), by_k in sorted(lines.items()):
         ks = sorted(by_k)
         ax.plot(ks, [by_k[k] for k in ks], marker="o", label=f"{family}, depth {depth}")
-    paths.append(_save(plt, fig, ax, out_dir / "speedup_vs_k.png", "Speedup vs K (best tree)", "K", "speedup vs ar"))
+    paths.append(
+        _save(
+            plt,
+            fig,
+            ax,
+            out_dir / "speedup_vs_k.png",
+            "Speedup vs K (best tree)",
+            "K",
+            "speedup vs ar",
+        )
+    )
 
     plt, fig, ax = figure()
     curves: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
@@ -84,14 +104,46 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
         curves[(r["family"], r["k"], r["depth"])].append((r["tree_nodes"], r["speedup_vs_ar"]))
     for (family, k, depth), pts in sorted(curves.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family} K={k} d={depth}")
-    paths.append(_save(plt, fig, ax, out_dir / "speedup_vs_tree_budget.png", "Speedup vs tree size", "tree nodes", "speedup vs ar"))
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family} K={k} d={depth}"
+        )
+    paths.append(
+        _save(
+            plt,
+            fig,
+            ax,
+            out_dir / "speedup_vs_tree_budget.png",
+            "Speedup vs tree size",
+            "tree nodes",
+            "speedup vs ar",
+        )
+    )
 
     plt, fig, ax = figure()
-    ax.scatter([r["drafter_parameters"] / 1e6 for r in rows], [r["speedup_vs_ar"] for r in rows], alpha=0.5, label="trials")
+    ax.scatter(
+        [r["drafter_parameters"] / 1e6 for r in rows],
+        [r["speedup_vs_ar"] for r in rows],
+        alpha=0.5,
+        label="trials",
+    )
     front = pareto_front(rows)
-    ax.plot([r["drafter_parameters"] / 1e6 for r in front], [r["speedup_vs_ar"] for r in front], "r-o", label="Pareto front")
-    paths.append(_save(plt, fig, ax, out_dir / "pareto.png", "Speedup vs drafter size", "drafter parameters (M)", "speedup vs ar"))
+    ax.plot(
+        [r["drafter_parameters"] / 1e6 for r in front],
+        [r["speedup_vs_ar"] for r in front],
+        "r-o",
+        label="Pareto front",
+    )
+    paths.append(
+        _save(
+            plt,
+            fig,
+            ax,
+            out_dir / "pareto.png",
+            "Speedup vs drafter size",
+            "drafter parameters (M)",
+            "speedup vs ar",
+        )
+    )
 
     plt, fig, ax = figure()  # the best trial's tau per prompt category
     best = max(rows, key=lambda r: r["speedup_vs_ar"])

@@ -51,11 +51,18 @@ class SweepCallback(tune.Callback):
 
     def _row(self, trial) -> dict:
         c = trial.config
-        return self.rows.setdefault(trial.trial_id, {
-            "K": c.get("drafter.k", self.ctx.base["drafter"].get("k")),
-            "depth": c.get("drafter.depth", self.ctx.base["drafter"].get("depth")),
-            "tree": c.get("tree"), "status": "PENDING", "step": "", "sim": "", "speedup": "",
-        })
+        return self.rows.setdefault(
+            trial.trial_id,
+            {
+                "K": c.get("drafter.k", self.ctx.base["drafter"].get("k")),
+                "depth": c.get("drafter.depth", self.ctx.base["drafter"].get("depth")),
+                "tree": c.get("tree"),
+                "status": "PENDING",
+                "step": "",
+                "sim": "",
+                "speedup": "",
+            },
+        )
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self._row(trial)["status"] = "RUNNING"
@@ -79,15 +86,29 @@ class SweepCallback(tune.Callback):
         """Its process is killed next: record why, for the trials sharing its training and
         on its MLflow run (which would otherwise stay RUNNING)."""
         p = plan(trial.config, self.ctx)
-        (p.dir / "stopped.json").write_text(json.dumps({
-            "trial": trial.trial_id, "step": result.get("step"),
-            "eval/sim_accept_len": result.get("eval/sim_accept_len"), "time": time.time(),
-        }) + "\n")
+        (p.dir / "stopped.json").write_text(
+            json.dumps(
+                {
+                    "trial": trial.trial_id,
+                    "step": result.get("step"),
+                    "eval/sim_accept_len": result.get("eval/sim_accept_len"),
+                    "time": time.time(),
+                }
+            )
+            + "\n"
+        )
         c = self.ctx
-        run_id = Tracker(c.tracking_uri, c.experiment).find_unfinished(trial_run_name(c, trial.trial_id))
+        run_id = Tracker(c.tracking_uri, c.experiment).find_unfinished(
+            trial_run_name(c, trial.trial_id)
+        )
         if run_id:
             run = Tracker(c.tracking_uri, c.experiment, run_id=run_id)
-            run.set_tags({"draftlab.status": "stopped (ASHA)", "draftlab.stopped_at_step": result.get("step")})
+            run.set_tags(
+                {
+                    "draftlab.status": "stopped (ASHA)",
+                    "draftlab.stopped_at_step": result.get("step"),
+                }
+            )
             run.end("KILLED")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
@@ -108,7 +129,10 @@ class SweepCallback(tune.Callback):
         for col in ("trial", "K", "depth", "tree", "status", "step", "sim accept", "speedup"):
             table.add_column(col)
         for tid, r in self.rows.items():
-            table.add_row(tid, *(str(r[c]) for c in ("K", "depth", "tree", "status", "step", "sim", "speedup")))
+            table.add_row(
+                tid,
+                *(str(r[c]) for c in ("K", "depth", "tree", "status", "step", "sim", "speedup")),
+            )
         Console(stderr=True).print(table)
         self._printed = time.monotonic()
 
@@ -116,8 +140,10 @@ class SweepCallback(tune.Callback):
 def _paths(base: dict, name: str) -> tuple[Path, Path]:
     storage = storage_uri(base.get("storage_path", ".draftlab/ray"))
     if "://" in storage:  # Path() would fold it into a local `s3:/...` directory
-        raise ConfigError(f"storage_path {storage!r}: a sweep coordinates its trials through file locks and "
-                          f"files under storage_path, so it needs a local or shared (NFS) directory, not a URI")
+        raise ConfigError(
+            f"storage_path {storage!r}: a sweep coordinates its trials through file locks and "
+            f"files under storage_path, so it needs a local or shared (NFS) directory, not a URI"
+        )
     root = Path(storage)
     return root / "sweeps" / name, root / "trainings"
 
@@ -126,32 +152,49 @@ def search_setup(sweep: SweepConfig, concurrency: int):
     """(search algorithm or None for Tune's grid/random variant generator, num_samples)."""
     if sweep.search.algorithm == "grid":
         return None, sweep.search.num_samples or 1
-    num_samples = sweep.search.num_samples or max(8, 2 * concurrency)  # unset: two waves of the cluster, at least 8
+    num_samples = sweep.search.num_samples or max(
+        8, 2 * concurrency
+    )  # unset: two waves of the cluster, at least 8
     if sweep.search.algorithm == "random":
         return None, num_samples
 
-    return OptunaSearch(metric="speedup_vs_ar", mode="max", sampler=TPESampler(seed=sweep.search.seed)), num_samples
+    return OptunaSearch(
+        metric="speedup_vs_ar", mode="max", sampler=TPESampler(seed=sweep.search.seed)
+    ), num_samples
 
 
 def _tuner_parts(sweep: SweepConfig, base: dict, ctx: SweepContext, progress: bool):
     cfg = trial_config(base, {})
     sc = cfg.scaling
     concurrency = sweep.search.max_concurrent_trials or max_concurrency(
-        ray.cluster_resources(), sc.cpus_per_worker * sc.num_workers, float(sc.num_workers) if sc.use_gpu else 0.0
+        ray.cluster_resources(),
+        sc.cpus_per_worker * sc.num_workers,
+        float(sc.num_workers) if sc.use_gpu else 0.0,
     )
     scheduler = None
     if sweep.asha:
         a = sweep.asha
-        scheduler = ASHAScheduler(time_attr="training_iteration", metric=a.metric, mode="max", max_t=a.max_t,
-                                  grace_period=a.grace_period, reduction_factor=a.reduction_factor)
+        scheduler = ASHAScheduler(
+            time_attr="training_iteration",
+            metric=a.metric,
+            mode="max",
+            max_t=a.max_t,
+            grace_period=a.grace_period,
+            reduction_factor=a.reduction_factor,
+        )
     search_alg, num_samples = search_setup(sweep, concurrency)
     tune_config = tune.TuneConfig(
-        num_samples=num_samples, max_concurrent_trials=concurrency, scheduler=scheduler, search_alg=search_alg,
+        num_samples=num_samples,
+        max_concurrent_trials=concurrency,
+        scheduler=scheduler,
+        search_alg=search_alg,
     )
     # The trial process only coordinates: its training workers and bench task reserve the
     # CPUs/GPUs (a CPU held here would starve a training that needs the whole node), so it
     # asks for memory only, and `max_concurrent_trials` bounds how many run at once.
-    trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), {"CPU": 0, "memory": TRIAL_MEMORY})
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, ctx=ctx), {"CPU": 0, "memory": TRIAL_MEMORY}
+    )
     return trainable, tune_config, [SweepCallback(ctx, progress)], concurrency
 
 
@@ -168,7 +211,12 @@ def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = Tr
     ensure_ray()
     data = load_or_generate(cfg.data, cfg.target, progress=progress)  # cached: never per trial
     data_path = str(Path(data["train"].cache_files[0]["filename"]).parent.parent)
-    state = {"sweep": sweep.model_dump(mode="json"), "base": base, "source": source, "data_path": data_path}
+    state = {
+        "sweep": sweep.model_dump(mode="json"),
+        "base": base,
+        "source": source,
+        "data_path": data_path,
+    }
     return _run(sweep, base, state, exp_dir, trainings, progress, restore=False)
 
 
@@ -178,46 +226,88 @@ def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
     exp_dir = Path(exp_dir).expanduser().resolve()
     state_file = exp_dir / STATE_FILE
     if not state_file.is_file():
-        raise ConfigError(f"--resume {exp_dir}: no {STATE_FILE} here; pass the directory `draftlab sweep` printed "
-                          f"(<storage_path>/sweeps/<name>)")
+        raise ConfigError(
+            f"--resume {exp_dir}: no {STATE_FILE} here; pass the directory `draftlab sweep` printed "
+            f"(<storage_path>/sweeps/<name>)"
+        )
     state = json.loads(state_file.read_text())
     sweep = SweepConfig.model_validate(state["sweep"])
 
-    check_hub_access(trial_config(state["base"], {}).target)  # the data is cached: only trials load the target
+    check_hub_access(
+        trial_config(state["base"], {}).target
+    )  # the data is cached: only trials load the target
     ensure_ray()
     _, trainings = _paths(state["base"], sweep.name)
     return _run(sweep, state["base"], state, exp_dir, trainings, progress, restore=True)
 
 
-def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: Path, progress: bool, restore: bool) -> dict:
+def _run(
+    sweep: SweepConfig,
+    base: dict,
+    state: dict,
+    exp_dir: Path,
+    trainings: Path,
+    progress: bool,
+    restore: bool,
+) -> dict:
     cfg = trial_config(base, {})
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     # a new sweep gets a new parent run; --resume continues the one its sweep.json names
-    parent = Tracker(tracking_uri=uri, experiment=sweep.experiment, run_id=state.get("parent_run_id") if restore else None)
-    parent_id = parent.start_or_resume(f"sweep-{sweep.name}", resume=restore, tags={
-        "draftlab.kind": "sweep", "draftlab.sweep": sweep.name, "draftlab.target": cfg.target.name,
-        **parent_tags(cfg.tracking.parent_run_id),
-    })
+    parent = Tracker(
+        tracking_uri=uri,
+        experiment=sweep.experiment,
+        run_id=state.get("parent_run_id") if restore else None,
+    )
+    parent_id = parent.start_or_resume(
+        f"sweep-{sweep.name}",
+        resume=restore,
+        tags={
+            "draftlab.kind": "sweep",
+            "draftlab.sweep": sweep.name,
+            "draftlab.target": cfg.target.name,
+            **parent_tags(cfg.tracking.parent_run_id),
+        },
+    )
     if not restore:
         parent.log_params({"sweep": sweep.model_dump(mode="json"), "base_config": state["source"]})
-    ctx = SweepContext(sweep=sweep.name, base=base, trees=sweep.trees, trainings=str(trainings),
-                       data_path=state["data_path"], tracking_uri=uri, experiment=sweep.experiment, parent_run_id=parent_id,
-                       objective=sweep.objective)
+    ctx = SweepContext(
+        sweep=sweep.name,
+        base=base,
+        trees=sweep.trees,
+        trainings=str(trainings),
+        data_path=state["data_path"],
+        tracking_uri=uri,
+        experiment=sweep.experiment,
+        parent_run_id=parent_id,
+        objective=sweep.objective,
+    )
     trainable, tune_config, callbacks, concurrency = _tuner_parts(sweep, base, ctx, progress)
     exp_dir.mkdir(parents=True, exist_ok=True)
-    (exp_dir / STATE_FILE).write_text(json.dumps(state | {"parent_run_id": parent_id}, indent=2) + "\n")
+    (exp_dir / STATE_FILE).write_text(
+        json.dumps(state | {"parent_run_id": parent_id}, indent=2) + "\n"
+    )
     if progress:
-        print(f"sweep {sweep.name}: {exp_dir} (resume: draftlab sweep --resume {exp_dir}); "
-              f"{concurrency} trial(s) at a time; MLflow parent run {parent_id}", flush=True)
+        print(
+            f"sweep {sweep.name}: {exp_dir} (resume: draftlab sweep --resume {exp_dir}); "
+            f"{concurrency} trial(s) at a time; MLflow parent run {parent_id}",
+            flush=True,
+        )
     t0 = time.perf_counter()
     try:
         if restore:
-            tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True)
+            tuner = tune.Tuner.restore(
+                str(exp_dir), trainable=trainable, resume_unfinished=True, resume_errored=True
+            )
         else:
             tuner = tune.Tuner(
-                trainable, param_space=param_space(sweep), tune_config=tune_config,
+                trainable,
+                param_space=param_space(sweep),
+                tune_config=tune_config,
                 run_config=tune.RunConfig(
-                    name=sweep.name, storage_path=str(exp_dir.parent), callbacks=callbacks, verbose=0,
+                    name=sweep.name,
+                    storage_path=str(exp_dir.parent),
+                    callbacks=callbacks,
+                    verbose=0,
                     failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
                 ),
             )
@@ -226,25 +316,58 @@ def _run(sweep: SweepConfig, base: dict, state: dict, exp_dir: Path, trainings: 
         parent.end("FAILED")
         raise
     summary = summarise(grid, sweep, exp_dir / RESULTS)
-    summary |= {"wall_s": time.perf_counter() - t0, "experiment_dir": str(exp_dir), "mlflow_parent_run_id": parent_id}
+    summary |= {
+        "wall_s": time.perf_counter() - t0,
+        "experiment_dir": str(exp_dir),
+        "mlflow_parent_run_id": parent_id,
+    }
     parent.log_artifacts(str(exp_dir / RESULTS), RESULTS)
     best = summary.get("best")
     if best:
-        parent.log_metrics_now({"best_speedup_vs_ar": best["speedup_vs_ar"], "best_tau": best["tau"],
-                                "trials_done": summary["trials_done"], "trials_stopped": summary["trials_stopped"],
-                                "sweep_wall_s": summary["wall_s"]}, 0)
+        parent.log_metrics_now(
+            {
+                "best_speedup_vs_ar": best["speedup_vs_ar"],
+                "best_tau": best["tau"],
+                "trials_done": summary["trials_done"],
+                "trials_stopped": summary["trials_stopped"],
+                "sweep_wall_s": summary["wall_s"],
+            },
+            0,
+        )
         parent.set_tags({"draftlab.best_run_id": best["mlflow_run_id"]})
         if sweep.promote:
-            summary["champion"] = promote(best["mlflow_run_id"], registered_name(cfg), tracking_uri=uri)
-    (exp_dir / RESULTS / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            summary["champion"] = promote(
+                best["mlflow_run_id"], registered_name(cfg), tracking_uri=uri
+            )
+    (exp_dir / RESULTS / "summary.json").write_text(
+        json.dumps(summary, indent=2, default=str) + "\n"
+    )
     parent.log_dict(summary, f"{RESULTS}/summary.json")
     parent.end("FINISHED" if best else "FAILED")
     return summary
 
 
-ROW_KEYS = ("family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "tokens_per_s", "ar_tokens_per_s",
-            "draft_ms", "verify_ms", "drafter_parameters", "train_steps", "eval/sim_accept_len", "tau_by_category",
-            "trained_here", "training_key", "mlflow_run_id", "greedy_identical")
+ROW_KEYS = (
+    "family",
+    "k",
+    "depth",
+    "tree",
+    "tree_nodes",
+    "tau",
+    "speedup_vs_ar",
+    "tokens_per_s",
+    "ar_tokens_per_s",
+    "draft_ms",
+    "verify_ms",
+    "drafter_parameters",
+    "train_steps",
+    "eval/sim_accept_len",
+    "tau_by_category",
+    "trained_here",
+    "training_key",
+    "mlflow_run_id",
+    "greedy_identical",
+)
 
 
 def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
@@ -256,27 +379,52 @@ def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
         if m.get("status") == "done":
             rows.append({"trial": trial, **{k: m.get(k) for k in ROW_KEYS}})
         else:
-            other.append({"trial": trial, "status": m.get("status") or ("error" if r.error else "stopped (ASHA)"),
-                          "config": r.config, "error": str(r.error) if r.error else None,
-                          "step": m.get("step"), "eval/sim_accept_len": m.get("eval/sim_accept_len")})
+            other.append(
+                {
+                    "trial": trial,
+                    "status": m.get("status") or ("error" if r.error else "stopped (ASHA)"),
+                    "config": r.config,
+                    "error": str(r.error) if r.error else None,
+                    "step": m.get("step"),
+                    "eval/sim_accept_len": m.get("eval/sim_accept_len"),
+                }
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"sweep": sweep.name, "trials": len(rows) + len(other), "trials_done": len(rows),
-                     "trials_stopped": len(other), "rows": rows, "not_finished": other}
+    summary: dict = {
+        "sweep": sweep.name,
+        "trials": len(rows) + len(other),
+        "trials_done": len(rows),
+        "trials_stopped": len(other),
+        "rows": rows,
+        "not_finished": other,
+    }
     if not rows:
         return summary
     write_csv(rows, out_dir / "results.csv")
     write_plots(rows, out_dir)
     best = max(rows, key=lambda r: r["speedup_vs_ar"])
     summary["best"] = best
-    summary["best_by_tree"] = {t: max(r["speedup_vs_ar"] for r in rows if r["tree"] == t)
-                               for t in dict.fromkeys(r["tree"] for r in rows)}
+    summary["best_by_tree"] = {
+        t: max(r["speedup_vs_ar"] for r in rows if r["tree"] == t)
+        for t in dict.fromkeys(r["tree"] for r in rows)
+    }
     (out_dir / "best.json").write_text(json.dumps(best, indent=2) + "\n")
     return summary
 
 
 def format_table(summary: dict) -> str:
     """The results as a fixed-width table (best first)."""
-    cols = ("trial", "family", "k", "depth", "tree", "tree_nodes", "tau", "speedup_vs_ar", "trained_here")
+    cols = (
+        "trial",
+        "family",
+        "k",
+        "depth",
+        "tree",
+        "tree_nodes",
+        "tau",
+        "speedup_vs_ar",
+        "trained_here",
+    )
     lines = ["  ".join(f"{c:>13}" for c in cols)]
     for r in sorted(summary.get("rows", []), key=lambda r: -r["speedup_vs_ar"]):
         cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]

@@ -107,10 +107,14 @@ class SweepConfig(StrictModel):
                     raise ValueError(f"space.{key}: the list of values is empty")
                 continue
             if len(dim) != 1 or next(iter(dim)) not in RANGES:
-                raise ValueError(f"space.{key}: a range is one of {list(RANGES)} with [low, high], got {dim}")
+                raise ValueError(
+                    f"space.{key}: a range is one of {list(RANGES)} with [low, high], got {dim}"
+                )
             low_high = next(iter(dim.values()))
             if len(low_high) != 2 or not low_high[0] < low_high[1]:
-                raise ValueError(f"space.{key}: a range needs [low, high] with low < high, got {low_high}")
+                raise ValueError(
+                    f"space.{key}: a range needs [low, high] with low < high, got {low_high}"
+                )
         return space
 
     @field_validator("space")
@@ -129,8 +133,10 @@ class SweepConfig(StrictModel):
         if self.objective == "vllm":
             bad = [t for t in self.trees if not is_chain_name(t)]
             if bad:
-                raise ValueError(f"trees {bad}: objective vllm measures chains only (vLLM verifies no static trees "
-                                 f"and grafts no lookups); use chain or chain-<k>")
+                raise ValueError(
+                    f"trees {bad}: objective vllm measures chains only (vLLM verifies no static trees "
+                    f"and grafts no lookups); use chain or chain-<k>"
+                )
         return self
 
     @field_validator("trees")
@@ -140,9 +146,11 @@ class SweepConfig(StrictModel):
         for t in trees:
             shape, per_round = split_per_round(split_ngram(t)[0])
             if not is_chain_name(shape) and searched_budget(shape) is None and shape not in presets:
-                raise ValueError(f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)}; "
-                                 f"each may end in @n to verify n of its nodes per round, then {NGRAM} to graft "
-                                 f"prompt lookups)")
+                raise ValueError(
+                    f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)}; "
+                    f"each may end in @n to verify n of its nodes per round, then {NGRAM} to graft "
+                    f"prompt lookups)"
+                )
             if per_round is not None and (per_round < 1 or is_chain_name(shape)):
                 raise ValueError(f"tree {t!r}: @n needs n >= 1 and a tree that is not a chain")
         return trees
@@ -174,14 +182,20 @@ def sweep_base(sweep: SweepConfig, base_doc: dict, base_file: Path, where: str) 
     if sweep.search.algorithm == "grid":
         ranged = [k for k, d in sweep.space.items() if isinstance(d, dict)]
         if ranged:
-            raise ConfigError(f"{where}: space.{ranged[0]}: grid search needs a list of values (ranges need random or optuna)")
+            raise ConfigError(
+                f"{where}: space.{ranged[0]}: grid search needs a list of values (ranges need random or optuna)"
+            )
     for key, dim in sweep.space.items():
         for value in dim if isinstance(dim, list) else next(iter(dim.values())):
-            trial_config(base, {key: value}, where=f"{where}: space.{key}={value!r} (base {base_file})")
+            trial_config(
+                base, {key: value}, where=f"{where}: space.{key}={value!r} (base {base_file})"
+            )
     return base
 
 
-def trial_config(base: dict, params: dict[str, Any], name: str | None = None, where: str = "trial") -> DistillConfig:
+def trial_config(
+    base: dict, params: dict[str, Any], name: str | None = None, where: str = "trial"
+) -> DistillConfig:
     """The DistillConfig of one trial: `base` with the dotted `params` set."""
     data = apply_dotted(json.loads(json.dumps(base)), params)  # deep copy
     if name:
@@ -196,8 +210,15 @@ def training_key(cfg: DistillConfig) -> str:
     """Digest of what determines the trained drafter: everything but its name, outputs,
     tracking, benchmark, attention and prefetch settings (trees and benches never retrain;
     the last two do not change the weights)."""
-    drop = {"name": True, "output_dir": True, "tracking": True, "bench": True, "storage_path": True,
-            "target": {"attention"}, "train": {"prefetch"}}
+    drop = {
+        "name": True,
+        "output_dir": True,
+        "tracking": True,
+        "bench": True,
+        "storage_path": True,
+        "target": {"attention"},
+        "train": {"prefetch"},
+    }
     keep = cfg.model_dump(mode="json", exclude=drop)
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -210,14 +231,18 @@ def param_space(sweep: SweepConfig) -> dict:
         if isinstance(dim, list):
             return tune.grid_search(dim) if sweep.search.algorithm == "grid" else tune.choice(dim)
         kind, (low, high) = next(iter(dim.items()))
-        return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[kind](low, high)
+        return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[
+            kind
+        ](low, high)
 
     space = {key: dimension(dim) for key, dim in sweep.space.items()}
     space["tree"] = dimension(sweep.trees)
     return space
 
 
-def max_concurrency(resources: dict[str, float], cpus_per_trial: float, gpus_per_trial: float = 0.0) -> int:
+def max_concurrency(
+    resources: dict[str, float], cpus_per_trial: float, gpus_per_trial: float = 0.0
+) -> int:
     """How many trials the cluster runs at once (at least one)."""
     fits = [resources.get("CPU", 0.0) // cpus_per_trial] if cpus_per_trial else []
     if gpus_per_trial:

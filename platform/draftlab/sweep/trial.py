@@ -82,14 +82,16 @@ def plan(params: dict, ctx: SweepContext) -> Plan:
     d = probe.drafter
     name = f"{d.family}-k{d.k}-d{d.depth}-{key}"
     run_dir = Path(ctx.trainings) / name
-    cfg = probe.model_copy(update={
-        "name": name,
-        "storage_path": ctx.trainings,
-        "output_dir": str(run_dir / "drafter"),
-        "bench": probe.bench.model_copy(update={"enabled": False}),  # the trial benchmarks
-        "tracking": probe.tracking.model_copy(update={"register_model": False}),
-        "scaling": trial_scaling(probe.scaling),
-    })
+    cfg = probe.model_copy(
+        update={
+            "name": name,
+            "storage_path": ctx.trainings,
+            "output_dir": str(run_dir / "drafter"),
+            "bench": probe.bench.model_copy(update={"enabled": False}),  # the trial benchmarks
+            "tracking": probe.tracking.model_copy(update={"register_model": False}),
+            "scaling": trial_scaling(probe.scaling),
+        }
+    )
     return Plan(cfg, key, run_dir)
 
 
@@ -114,8 +116,11 @@ def trial_run_name(ctx: SweepContext, trial_id: str) -> str:
 def _remote_options(cfg: DistillConfig) -> dict:
     """The trial's resources for its own work: one training worker's worth."""
     # DEFAULT: outside the trial's placement group (which holds no CPU), like Train's workers
-    return {"num_cpus": cfg.scaling.cpus_per_worker, "num_gpus": 1 if cfg.scaling.use_gpu else 0,
-            "scheduling_strategy": "DEFAULT"}
+    return {
+        "num_cpus": cfg.scaling.cpus_per_worker,
+        "num_gpus": 1 if cfg.scaling.use_gpu else 0,
+        "scheduling_strategy": "DEFAULT",
+    }
 
 
 def _measure_acceptance(cfg_json: dict, data_path: str) -> None:
@@ -135,16 +140,28 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
     drafter = load_drafter(cfg.output_dir, target)
     resolved = {name: resolve_tree(name, cfg.output_dir, cfg.drafter.k) for name in trees}
     b = cfg.bench
-    bcfg = BenchConfig(target=cfg.target, drafter=cfg.output_dir, prompts=b.prompts, limit=b.limit,
-                       max_new_tokens=b.max_new_tokens, methods=["ar"])
+    bcfg = BenchConfig(
+        target=cfg.target,
+        drafter=cfg.output_dir,
+        prompts=b.prompts,
+        limit=b.limit,
+        max_new_tokens=b.max_new_tokens,
+        methods=["ar"],
+    )
     if objective == "vllm":
         ks = {name: tree.depth for name, tree in resolved.items()}
         top = max(ks.values())
         vcfg = bcfg.vllm.model_copy(update={"draft_lengths": sorted(set(ks.values()) - {top})})
-        report = bench_loaded(target, drafter, bcfg.model_copy(update={"methods": ["ar", "vllm_draftlab"], "k": top,
-                                                                       "vllm": vcfg}), progress=False)
-        runs = {name: (report, "vllm_draftlab" if k == top else f"vllm_draftlab@k{k}", "vllm_ar")
-                for name, k in ks.items()}
+        report = bench_loaded(
+            target,
+            drafter,
+            bcfg.model_copy(update={"methods": ["ar", "vllm_draftlab"], "k": top, "vllm": vcfg}),
+            progress=False,
+        )
+        runs = {
+            name: (report, "vllm_draftlab" if k == top else f"vllm_draftlab@k{k}", "vllm_ar")
+            for name, k in ks.items()
+        }
     else:
         report = bench_loaded(target, drafter, bcfg, progress=False, trees=resolved)
         runs = {name: (report, f"draftlab_tree:{name}", "ar") for name in resolved}
@@ -153,15 +170,26 @@ def _bench_trees(cfg_json: dict, trees: list[str], objective: str = "draftlab") 
         m, ar, tree = report["methods"][method], report["methods"][base], resolved[name]
         out[name] = {
             # the objective's speedup: ours vs `ar`, or vLLM's vs `vllm_ar`
-            "speedup_vs_ar": m[f"speedup_vs_{base}"], "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
-            "ar_tokens_per_s": ar["tokens_per_s"], "objective": objective,
-            "draft_ms": 1000 * m.get("draft_s", 0.0) / max(1, m["forwards"]),  # per round (ours only)
+            "speedup_vs_ar": m[f"speedup_vs_{base}"],
+            "tau": m["tau"],
+            "tokens_per_s": m["tokens_per_s"],
+            "ar_tokens_per_s": ar["tokens_per_s"],
+            "objective": objective,
+            "draft_ms": 1000
+            * m.get("draft_s", 0.0)
+            / max(1, m["forwards"]),  # per round (ours only)
             "verify_ms": 1000 * m.get("verify_s", 0.0) / max(1, m["forwards"]),
-            "tree_nodes": tree.num_nodes, "tree_depth": tree.depth, "paths": [list(p) for p in tree.paths],
+            "tree_nodes": tree.num_nodes,
+            "tree_depth": tree.depth,
+            "paths": [list(p) for p in tree.paths],
             "per_position_acceptance": m.get("per_position_acceptance"),
             "tau_by_category": {c: v["tau"] for c, v in m["by_category"].items()},
-            "greedy_identical": report["vllm_greedy_identical"] if objective == "vllm" else report["greedy_identical"],
-            "device": report["device"], "prompts": report["prompts"], "max_new_tokens": report["max_new_tokens"],
+            "greedy_identical": report["vllm_greedy_identical"]
+            if objective == "vllm"
+            else report["greedy_identical"],
+            "device": report["device"],
+            "prompts": report["prompts"],
+            "max_new_tokens": report["max_new_tokens"],
         }
     return out
 
@@ -170,12 +198,16 @@ def bench_target(cfg: DistillConfig) -> TargetSpec:
     """The target as the trial's bench task loads it, from the config strings alone: device
     `auto` pinned by the trial's resources (a task that reserved no GPU must not pick one
     up) and dtype `auto` by that device. No CUDA query: the trial process holds no GPU."""
-    return placed_spec(cfg.target, cfg.scaling.use_gpu, "scaling.use_gpu", "the trial's training and bench tasks")
+    return placed_spec(
+        cfg.target, cfg.scaling.use_gpu, "scaling.use_gpu", "the trial's training and bench tasks"
+    )
 
 
 def _run_task(fn, cfg: DistillConfig, *args):
     pinned = cfg.model_copy(update={"target": bench_target(cfg)})
-    return ray.get(ray.remote(fn).options(**_remote_options(cfg)).remote(pinned.model_dump(mode="json"), *args))
+    return ray.get(
+        ray.remote(fn).options(**_remote_options(cfg)).remote(pinned.model_dump(mode="json"), *args)
+    )
 
 
 def bench_digest(cfg: DistillConfig, objective: str = "draftlab") -> str:
@@ -184,11 +216,19 @@ def bench_digest(cfg: DistillConfig, objective: str = "draftlab") -> str:
     where no GPU is held), the machine architecture and any non-default target setting
     (e.g. its attention kernel)."""
     b, target = cfg.bench, bench_target(cfg)
-    spec = {"prompts": b.prompts, "limit": b.limit, "max_new_tokens": b.max_new_tokens, "device": target.device,
-            "dtype": f"torch.{target.dtype}", "machine": std_platform.machine()}
+    spec = {
+        "prompts": b.prompts,
+        "limit": b.limit,
+        "max_new_tokens": b.max_new_tokens,
+        "device": target.device,
+        "dtype": f"torch.{target.dtype}",
+        "machine": std_platform.machine(),
+    }
     if objective != "draftlab":  # older digests stay valid
         spec["objective"] = objective
-    extra = target.model_dump(mode="json", exclude_defaults=True, exclude={"name", "device", "dtype", "trust_remote_code"})
+    extra = target.model_dump(
+        mode="json", exclude_defaults=True, exclude={"name", "device", "dtype", "trust_remote_code"}
+    )
     if extra:  # only when set: older digests stay valid
         spec["target"] = extra
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
@@ -205,8 +245,12 @@ def ensure_trained(p: Plan, ctx: SweepContext, run_id: str | None, trial_id: str
 
     p.dir.mkdir(parents=True, exist_ok=True)
     with (p.dir / "fits.jsonl").open("a") as f:
-        f.write(json.dumps({"trial": trial_id, "mlflow_run_id": run_id, "time": time.time()}) + "\n")
-    result = build_trainer(p.cfg, ctx.data_path, run_id, ctx.tracking_uri, callbacks=[TuneReportCallback()]).fit()
+        f.write(
+            json.dumps({"trial": trial_id, "mlflow_run_id": run_id, "time": time.time()}) + "\n"
+        )
+    result = build_trainer(
+        p.cfg, ctx.data_path, run_id, ctx.tracking_uri, callbacks=[TuneReportCallback()]
+    ).fit()
     summary = {k: v for k, v in (result.return_value or {}).items() if k != "worker_nodes"}
     _run_task(_measure_acceptance, p.cfg, ctx.data_path)
     summary |= {"key": p.key, "trained_by": trial_id, "mlflow_run_id": run_id}
@@ -240,9 +284,19 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
     d = p.cfg.drafter
     tree = params.get("tree", "chain")
     base = {"k": d.k, "depth": d.depth, "family": d.family, "tree": tree, "training_key": p.key}
-    tracker = Tracker(tracking_uri=ctx.tracking_uri, experiment=ctx.experiment, run_id=None, enabled=True)
-    tags = {**ctx.tags, "draftlab.kind": "sweep-trial", "draftlab.sweep": ctx.sweep, "draftlab.target": p.cfg.target.name,
-            "draftlab.family": d.family, "draftlab.training_key": p.key, "draftlab.trial_id": trial_id, "draftlab.tree": tree}
+    tracker = Tracker(
+        tracking_uri=ctx.tracking_uri, experiment=ctx.experiment, run_id=None, enabled=True
+    )
+    tags = {
+        **ctx.tags,
+        "draftlab.kind": "sweep-trial",
+        "draftlab.sweep": ctx.sweep,
+        "draftlab.target": p.cfg.target.name,
+        "draftlab.family": d.family,
+        "draftlab.training_key": p.key,
+        "draftlab.trial_id": trial_id,
+        "draftlab.tree": tree,
+    }
     if ctx.parent_run_id:
         tags["mlflow.parentRunId"] = ctx.parent_run_id
     run_id = tracker.start_or_resume(trial_run_name(ctx, trial_id), tags=tags)
@@ -252,29 +306,62 @@ def run_trial(params: dict, ctx: SweepContext) -> None:
         summary = ensure_trained(p, ctx, run_id, trial_id)
         if "stopped" in summary:
             stop = summary["stopped"]
-            tracker.set_tags({"draftlab.status": "stopped", "draftlab.stopped_by": stop.get("trial")})
+            tracker.set_tags(
+                {"draftlab.status": "stopped", "draftlab.stopped_by": stop.get("trial")}
+            )
             tracker.end("KILLED")
-            tune.report({**base, "status": "stopped", "eval/sim_accept_len": stop.get("eval/sim_accept_len", 0.0),
-                         "mlflow_run_id": run_id})
+            tune.report(
+                {
+                    **base,
+                    "status": "stopped",
+                    "eval/sim_accept_len": stop.get("eval/sim_accept_len", 0.0),
+                    "mlflow_run_id": run_id,
+                }
+            )
             return
         result = ensure_evaluated(p, ctx, tree)
-    metrics = {k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    training = {"drafter_parameters": summary["drafter_parameters"], "train_steps": summary["steps"],
-                "eval/sim_accept_len": summary["eval_sim_accept_len"]}
+    metrics = {
+        k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    training = {
+        "drafter_parameters": summary["drafter_parameters"],
+        "train_steps": summary["steps"],
+        "eval/sim_accept_len": summary["eval_sim_accept_len"],
+    }
     # the training trial's run already holds the training metrics (logged by its worker)
-    tracker.log_metrics_now(metrics if summary["trained_here"] else metrics | training, summary["steps"])
+    tracker.log_metrics_now(
+        metrics if summary["trained_here"] else metrics | training, summary["steps"]
+    )
     metrics |= training
     tracker.log_dict(result, "bench.json")
 
-    with tempfile.TemporaryDirectory() as tmp:  # the drafter as served by this trial: its own tree.json
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # the drafter as served by this trial: its own tree.json
         staged = Path(tmp) / "drafter"
         shutil.copytree(p.cfg.output_dir, staged)
-        served = Tree.from_paths(result["paths"], tree).with_per_round(split_per_round(split_ngram(tree)[0])[1])
+        served = Tree.from_paths(result["paths"], tree).with_per_round(
+            split_per_round(split_ngram(tree)[0])[1]
+        )
         save_tree(served.with_ngram() if split_ngram(tree)[1] else served, None, staged)
         tracker.log_artifacts(str(staged), "drafter")
-    tracker.set_tags({"draftlab.status": "done", "draftlab.trained_here": str(summary["trained_here"]),
-                      "draftlab.hardware": result["device"]})
+    tracker.set_tags(
+        {
+            "draftlab.status": "done",
+            "draftlab.trained_here": str(summary["trained_here"]),
+            "draftlab.hardware": result["device"],
+        }
+    )
     tracker.end("FINISHED")
-    tune.report({**base, **metrics, "status": "done", "tau_by_category": result["tau_by_category"],
-                 "greedy_identical": result["greedy_identical"], "trained_here": summary["trained_here"],
-                 "drafter_dir": p.cfg.output_dir, "mlflow_run_id": run_id})
+    tune.report(
+        {
+            **base,
+            **metrics,
+            "status": "done",
+            "tau_by_category": result["tau_by_category"],
+            "greedy_identical": result["greedy_identical"],
+            "trained_here": summary["trained_here"],
+            "drafter_dir": p.cfg.output_dir,
+            "mlflow_run_id": run_id,
+        }
+    )

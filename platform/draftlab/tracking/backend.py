@@ -23,11 +23,19 @@ DEFAULT_DIR = ".draftlab"
 
 # MLflow error codes that retrying cannot fix (everything else, e.g. INTERNAL_ERROR for a
 # refused connection or TEMPORARILY_UNAVAILABLE for a locked sqlite file, is retried).
-_PERMANENT_ERRORS = frozenset({
-    "INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
-    "PERMISSION_DENIED", "UNAUTHENTICATED", "BAD_REQUEST", "INVALID_STATE",
-    "ENDPOINT_NOT_FOUND", "FEATURE_DISABLED",
-})
+_PERMANENT_ERRORS = frozenset(
+    {
+        "INVALID_PARAMETER_VALUE",
+        "RESOURCE_DOES_NOT_EXIST",
+        "RESOURCE_ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+        "BAD_REQUEST",
+        "INVALID_STATE",
+        "ENDPOINT_NOT_FOUND",
+        "FEATURE_DISABLED",
+    }
+)
 
 
 class TrackingUnavailable(DraftlabError):
@@ -54,7 +62,7 @@ def sqlite_path(uri: str) -> Path | None:
     """The database file of a `sqlite:///...` URI, else None."""
     if not uri.startswith("sqlite:///"):
         return None
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
     return Path(path) if path and path != ":memory:" else None
 
 
@@ -110,8 +118,10 @@ def mlflow_client(tracking_uri: str | None = None):
 
     uri = resolve_tracking_uri(tracking_uri)
     if is_http(uri) and not server_reachable(uri, timeout=5.0):
-        raise TrackingUnavailable(f"MLflow at {uri} does not answer (is the server up? set --tracking-uri or "
-                                  "MLFLOW_TRACKING_URI)")
+        raise TrackingUnavailable(
+            f"MLflow at {uri} does not answer (is the server up? set --tracking-uri or "
+            "MLFLOW_TRACKING_URI)"
+        )
     return uri, MlflowClient(tracking_uri=uri)
 
 

@@ -51,8 +51,16 @@ class MetricDelivery:
     has none yet); both are asked only when a delivery needs them.
     """
 
-    def __init__(self, tracking_uri: str | None, client: Callable[[], Any], require_run: Callable[[], str],
-                 max_buffer_seconds: float, max_outage_s: float, attempt_timeout_s: float, retry_every_s: float):
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        client: Callable[[], Any],
+        require_run: Callable[[], str],
+        max_buffer_seconds: float,
+        max_outage_s: float,
+        attempt_timeout_s: float,
+        retry_every_s: float,
+    ):
         self.tracking_uri = tracking_uri
         self.max_buffer_seconds = max_buffer_seconds
         self.max_outage_s = max_outage_s
@@ -81,8 +89,11 @@ class MetricDelivery:
             except Exception as e:
                 if not is_transient(e):
                     raise
-                logger.warning("MLflow at %s does not answer (%s); the last logged step is looked up later",
-                               self.tracking_uri, e)
+                logger.warning(
+                    "MLflow at %s does not answer (%s); the last logged step is looked up later",
+                    self.tracking_uri,
+                    e,
+                )
                 return None
             return self._logged_through
 
@@ -91,8 +102,9 @@ class MetricDelivery:
         if key is None:
             return
         probe(self.tracking_uri, max(0.1, min(5.0, deadline - time.monotonic())))
-        history = call_with_timeout(lambda: self._client().get_metric_history(run_id, key),
-                                    deadline - time.monotonic())
+        history = call_with_timeout(
+            lambda: self._client().get_metric_history(run_id, key), deadline - time.monotonic()
+        )
         self._logged_through = max((m.step for m in history), default=0)
         keep, rest = self._buffer[: self._exempt], self._buffer[self._exempt :]
         self._buffer = keep + [r for r in rest if r[3] > self._logged_through]
@@ -143,7 +155,8 @@ class MetricDelivery:
                 raise TrackingUnavailable(
                     f"MLflow at {self.tracking_uri} unreachable for {self.max_buffer_seconds:g} s "
                     f"({attempts} attempts); {len(self._buffer)} metric values stay buffered "
-                    f"and will be sent by the next flush(). Last error: {self._last_error}")
+                    f"and will be sent by the next flush(). Last error: {self._last_error}"
+                )
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 10.0)
 
@@ -157,8 +170,10 @@ class MetricDelivery:
         while self._buffer:
             chunk = self._next_chunk()
             batch = [Metric(k, v, ts, s) for k, v, ts, s in chunk]
-            call_with_timeout(lambda b=batch: self._client().log_batch(run_id, metrics=b, synchronous=True),
-                              deadline - time.monotonic())
+            call_with_timeout(
+                lambda b=batch: self._client().log_batch(run_id, metrics=b, synchronous=True),
+                deadline - time.monotonic(),
+            )
             del self._buffer[: len(chunk)]  # delivered: a later retry only sends the rest
 
     def _next_chunk(self) -> list[tuple[str, float, int, int]]:
@@ -191,7 +206,10 @@ class MetricDelivery:
 
     def poll(self) -> None:
         """During an outage, `try_flush()` again once `retry_every_s` has passed."""
-        if self._down_since is not None and time.monotonic() - self._last_attempt >= self.retry_every_s:
+        if (
+            self._down_since is not None
+            and time.monotonic() - self._last_attempt >= self.retry_every_s
+        ):
             self.try_flush()
 
     def drain(self) -> None:
@@ -223,7 +241,8 @@ class MetricDelivery:
                 f"longer than tracking.max_outage_s = {self.max_outage_s:g} s: failing the run rather than "
                 f"training on untracked. {len(self._buffer)} metric values were not delivered; the latest "
                 f"checkpoint keeps those up to its step, and a resumed run sends them. "
-                f"Last error: {self._last_error}")
+                f"Last error: {self._last_error}"
+            )
 
     def await_backend(self) -> None:
         """Before an unbuffered call: wait out an outage within `max_outage_s` (a dead server
@@ -245,12 +264,18 @@ class MetricDelivery:
         """The undelivered metrics and the outage clock, JSON-able."""
         with self._lock:
             exempt = self._exempt if self._resume_key is not None else len(self._buffer)
-            return {"pending": [list(r) for r in self._buffer], "exempt": exempt, "down_since": self._down_since}
+            return {
+                "pending": [list(r) for r in self._buffer],
+                "exempt": exempt,
+                "down_since": self._down_since,
+            }
 
     def restore(self, snapshot: Mapping[str, Any]) -> None:
         """Put a `snapshot()`'s metrics ahead of the buffer and take over its outage clock."""
         with self._lock:
-            pending = [(str(k), float(v), int(ts), int(s)) for k, v, ts, s in snapshot.get("pending", [])]
+            pending = [
+                (str(k), float(v), int(ts), int(s)) for k, v, ts, s in snapshot.get("pending", [])
+            ]
             self._buffer[:0] = pending
             self._exempt = int(snapshot.get("exempt", len(pending)))
             self._down_since = snapshot.get("down_since")

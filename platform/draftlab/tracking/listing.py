@@ -17,8 +17,9 @@ EXPERIMENT_PREFIX = "draftlab"
 KEY_METRICS = ("tau", "speedup_vs_ar", "loss", "eval/sim_accept_len")
 
 
-def list_runs(tracking_uri: str | None = None, experiment: str | None = None,
-              max_results: int = 20) -> list[dict[str, Any]]:
+def list_runs(
+    tracking_uri: str | None = None, experiment: str | None = None, max_results: int = 20
+) -> list[dict[str, Any]]:
     """Recent runs of `experiment` (default: every experiment named `draftlab*`), newest first.
 
     Each row: run_id, run_name, experiment, status, start_time (epoch ms) and `metrics`
@@ -33,21 +34,29 @@ def list_runs(tracking_uri: str | None = None, experiment: str | None = None,
         exp = client.get_experiment_by_name(experiment)
         exps = [exp] if exp is not None else []
     else:
-        exps = [e for e in client.search_experiments(
-            filter_string=f"name LIKE '{EXPERIMENT_PREFIX}%'", max_results=1000)]
+        exps = [
+            e
+            for e in client.search_experiments(
+                filter_string=f"name LIKE '{EXPERIMENT_PREFIX}%'", max_results=1000
+            )
+        ]
     if not exps:
         return []
     names = {e.experiment_id: e.name for e in exps}
-    runs = client.search_runs(list(names), order_by=["attributes.start_time DESC"],
-                              max_results=max_results)
-    return [{
-        "run_id": r.info.run_id,
-        "run_name": r.info.run_name,
-        "experiment": names.get(r.info.experiment_id, r.info.experiment_id),
-        "status": r.info.status,
-        "start_time": r.info.start_time,
-        "metrics": {k: r.data.metrics[k] for k in KEY_METRICS if k in r.data.metrics},
-    } for r in runs]
+    runs = client.search_runs(
+        list(names), order_by=["attributes.start_time DESC"], max_results=max_results
+    )
+    return [
+        {
+            "run_id": r.info.run_id,
+            "run_name": r.info.run_name,
+            "experiment": names.get(r.info.experiment_id, r.info.experiment_id),
+            "status": r.info.status,
+            "start_time": r.info.start_time,
+            "metrics": {k: r.data.metrics[k] for k in KEY_METRICS if k in r.data.metrics},
+        }
+        for r in runs
+    ]
 
 
 def format_runs_table(rows: list[dict[str, Any]], width: int = 140) -> str:
@@ -58,12 +67,20 @@ def format_runs_table(rows: list[dict[str, Any]], width: int = 140) -> str:
     for key in KEY_METRICS:
         table.add_column(key, justify="right")
     for r in rows:
-        started = (datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M")
-                   if r.get("start_time") else "-")
+        started = (
+            datetime.fromtimestamp(r["start_time"] / 1000).strftime("%Y-%m-%d %H:%M")
+            if r.get("start_time")
+            else "-"
+        )
         metrics = r.get("metrics", {})
-        table.add_row(r["run_id"][:12], r.get("run_name") or "-", r.get("experiment", "-"),
-                      r.get("status", "-"), started,
-                      *(f"{metrics[k]:.4g}" if k in metrics else "-" for k in KEY_METRICS))
+        table.add_row(
+            r["run_id"][:12],
+            r.get("run_name") or "-",
+            r.get("experiment", "-"),
+            r.get("status", "-"),
+            started,
+            *(f"{metrics[k]:.4g}" if k in metrics else "-" for k in KEY_METRICS),
+        )
     buf = io.StringIO()
     Console(file=buf, width=width, color_system=None, force_terminal=False).print(table)
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"

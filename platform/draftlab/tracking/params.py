@@ -14,10 +14,13 @@ REDACTED = "***"
 
 # A dotted-key component "looks like a credential" when it is, or ends in, one of these
 # words (`hf_token`, `wandb.api_key`, `clientSecret`), but not `max_new_tokens`/`tokenizer`.
-_SECRET_RE = re.compile(r"(?:^|_)(?:key|api_?keys|apikey|token|secrets?|password|passwd|credentials?)$")
+_SECRET_RE = re.compile(
+    r"(?:^|_)(?:key|api_?keys|apikey|token|secrets?|password|passwd|credentials?)$"
+)
 # Tokenizer special tokens are not secrets.
-_NOT_SECRET = frozenset({"pad_token", "eos_token", "bos_token", "unk_token", "sep_token",
-                         "cls_token", "mask_token"})
+_NOT_SECRET = frozenset(
+    {"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token"}
+)
 
 
 class ParamConflictError(ValueError):

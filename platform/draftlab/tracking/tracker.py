@@ -72,10 +72,17 @@ class Tracker:
     `drain()`; past `max_outage_s` of outage these raise `TrackingUnavailable`.
     """
 
-    def __init__(self, tracking_uri: str | None = None, experiment: str = "draftlab",
-                 run_id: str | None = None, enabled: bool = True,
-                 max_buffer_seconds: float = 120.0, max_outage_s: float = 300.0,
-                 attempt_timeout_s: float = 5.0, retry_every_s: float = 5.0):
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "draftlab",
+        run_id: str | None = None,
+        enabled: bool = True,
+        max_buffer_seconds: float = 120.0,
+        max_outage_s: float = 300.0,
+        attempt_timeout_s: float = 5.0,
+        retry_every_s: float = 5.0,
+    ):
         self.enabled = enabled
         self.experiment = experiment
         self.run_id = run_id
@@ -83,9 +90,15 @@ class Tracker:
         self.tracking_uri = resolve_tracking_uri(tracking_uri) if enabled else tracking_uri
         self.experiment_id: str | None = None
         self._client = None
-        self._delivery = MetricDelivery(self.tracking_uri, lambda: self.client, self._require_run,
-                                        max_buffer_seconds=max_buffer_seconds, max_outage_s=max_outage_s,
-                                        attempt_timeout_s=attempt_timeout_s, retry_every_s=retry_every_s)
+        self._delivery = MetricDelivery(
+            self.tracking_uri,
+            lambda: self.client,
+            self._require_run,
+            max_buffer_seconds=max_buffer_seconds,
+            max_outage_s=max_outage_s,
+            attempt_timeout_s=attempt_timeout_s,
+            retry_every_s=retry_every_s,
+        )
 
     # -- plumbing
 
@@ -111,7 +124,8 @@ class Tracker:
         if exp is None:
             try:
                 self.experiment_id = self.client.create_experiment(
-                    self.experiment, artifact_location=artifact_location(self.tracking_uri))
+                    self.experiment, artifact_location=artifact_location(self.tracking_uri)
+                )
             except MlflowException as e:  # another rank/trial created it first
                 if e.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
@@ -124,7 +138,9 @@ class Tracker:
 
     # -- run lifecycle
 
-    def start_or_resume(self, run_name: str, tags: Mapping[str, Any] | None = None, resume: bool = True) -> str:
+    def start_or_resume(
+        self, run_name: str, tags: Mapping[str, Any] | None = None, resume: bool = True
+    ) -> str:
         """Resume the unfinished run tagged `draftlab.run_name == run_name`, else create one
         (`resume=False`: always create one).
 
@@ -142,8 +158,9 @@ class Tracker:
             if tags:
                 self.set_tags(tags)
         else:
-            run = self.client.create_run(exp_id, run_name=run_name,
-                                         tags={**tags, RUN_NAME_TAG: run_name})
+            run = self.client.create_run(
+                exp_id, run_name=run_name, tags={**tags, RUN_NAME_TAG: run_name}
+            )
             self.run_id = run.info.run_id
         return self.run_id
 
@@ -151,8 +168,11 @@ class Tracker:
         """The newest run tagged `draftlab.run_name == run_name` unless it FINISHED."""
         escaped = run_name.replace("'", "\\'")
         found = self.client.search_runs(
-            [self._ensure_experiment()], filter_string=f"tags.`{RUN_NAME_TAG}` = '{escaped}'",
-            order_by=["attributes.start_time DESC"], max_results=1)
+            [self._ensure_experiment()],
+            filter_string=f"tags.`{RUN_NAME_TAG}` = '{escaped}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         return found[0].info.run_id if found and found[0].info.status != "FINISHED" else None
 
     def end(self, status: str = "FINISHED") -> None:
@@ -169,11 +189,20 @@ class Tracker:
         # A failing run must fail now, not after MLflow's minutes of retries on a dead server.
         try:
             probe(self.tracking_uri, self.attempt_timeout_s)
-            call_with_timeout(lambda: self.client.set_terminated(self.run_id, status=status), self.attempt_timeout_s)
+            call_with_timeout(
+                lambda: self.client.set_terminated(self.run_id, status=status),
+                self.attempt_timeout_s,
+            )
         except Exception as e:
             if not is_transient(e):
                 raise
-            logger.warning("could not mark MLflow run %s as %s at %s: %s", self.run_id, status, self.tracking_uri, e)
+            logger.warning(
+                "could not mark MLflow run %s as %s at %s: %s",
+                self.run_id,
+                status,
+                self.tracking_uri,
+                e,
+            )
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -199,15 +228,19 @@ class Tracker:
         run_id = self._require_run()
         flat = prepare_params(params)
         existing = self.client.get_run(run_id).data.params
-        conflicts = {k: (existing[k], v) for k, v in flat.items()
-                     if k in existing and existing[k] != v}
+        conflicts = {
+            k: (existing[k], v) for k, v in flat.items() if k in existing and existing[k] != v
+        }
         if conflicts:
-            shown = "; ".join(f"{k}: logged {old!r}, now {new!r}"
-                              for k, (old, new) in sorted(conflicts.items())[:10])
+            shown = "; ".join(
+                f"{k}: logged {old!r}, now {new!r}"
+                for k, (old, new) in sorted(conflicts.items())[:10]
+            )
             raise ParamConflictError(
                 f"run {run_id} already has {len(conflicts)} param(s) with different values "
                 f"({shown}). MLflow params are immutable: start a new run (another run name) "
-                f"or keep the config of the run being resumed.")
+                f"or keep the config of the run being resumed."
+            )
         new = [Param(k, v) for k, v in flat.items() if k not in existing]
         for chunk in _chunks(new, MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, params=chunk, synchronous=True)
@@ -329,19 +362,24 @@ class Tracker:
             raise
         return True
 
-    def download_artifacts(self, dst_dir: str | os.PathLike, names: Iterable[str] | None = None) -> list[str]:
+    def download_artifacts(
+        self, dst_dir: str | os.PathLike, names: Iterable[str] | None = None
+    ) -> list[str]:
         """Copy the run's top-level artifacts (files or folders) named in `names`, default
         all, into `dst_dir`; returns the names it had."""
         if not self.enabled:
             return []
         run_id, wanted = self._require_run(), None if names is None else set(names)
-        present = sorted(a.path for a in self.client.list_artifacts(run_id) if wanted is None or a.path in wanted)
+        present = sorted(
+            a.path for a in self.client.list_artifacts(run_id) if wanted is None or a.path in wanted
+        )
         for name in present:
             self.client.download_artifacts(run_id, name, str(dst_dir))
         return present
 
-    def register_model(self, artifact_path: str, name: str,
-                       tags: Mapping[str, Any] | None = None) -> str:
+    def register_model(
+        self, artifact_path: str, name: str, tags: Mapping[str, Any] | None = None
+    ) -> str:
         """Register `runs:/<run_id>/<artifact_path>` as a new version of `name`; returns it."""
         if not self.enabled:
             return ""
@@ -354,8 +392,11 @@ class Tracker:
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         mv = self.client.create_model_version(
-            name, source=f"runs:/{run_id}/{artifact_path.strip('/')}", run_id=run_id,
-            tags={k: str(v) for k, v in (tags or {}).items()})
+            name,
+            source=f"runs:/{run_id}/{artifact_path.strip('/')}",
+            run_id=run_id,
+            tags={k: str(v) for k, v in (tags or {}).items()},
+        )
         return str(mv.version)
 
     def run_url(self) -> str | None:

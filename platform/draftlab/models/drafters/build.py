@@ -19,7 +19,12 @@ from draftlab.storage import local_copy
 
 
 def init_drafter(
-    family: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0, vocab_size: int | None = None,
+    family: str,
+    target: Target,
+    k: int = 4,
+    depth: int = 1,
+    seed: int = 0,
+    vocab_size: int | None = None,
     aux_layers: list[int] | None = None,
 ) -> DrafterNet:
     """A freshly initialised (untrained) drafter of `family` for `target` (`aux_layers`:
@@ -49,7 +54,9 @@ def load_drafter(path: str | Path, target: Target) -> DrafterNet:
     path = local_copy(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
-        raise FileNotFoundError(f"{path} is not a drafter directory (needs config.json and model.safetensors)")
+        raise FileNotFoundError(
+            f"{path} is not a drafter directory (needs config.json and model.safetensors)"
+        )
     cfg = DrafterConfig.model_validate_json(cfg_file.read_text())
     if cfg.target_fingerprint != target.fingerprint:
         raise ValueError(
@@ -62,12 +69,16 @@ def load_drafter(path: str | Path, target: Target) -> DrafterNet:
     state.pop("_head_weight", None)  # the target's own head, saved by older versions: never loaded
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{weights}: weights do not match the config (missing={missing}, unexpected={unexpected})")
+        raise ValueError(
+            f"{weights}: weights do not match the config (missing={missing}, unexpected={unexpected})"
+        )
     model.refresh_head()
     return model.to(target.dtype).eval()
 
 
-def resolve_drafter(spec: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0) -> DrafterNet:
+def resolve_drafter(
+    spec: str, target: Target, k: int = 4, depth: int = 1, seed: int = 0
+) -> DrafterNet:
     """`init:<family>` builds an untrained drafter; anything else is a saved drafter dir."""
     if spec.startswith("init:"):
         return init_drafter(spec.removeprefix("init:"), target, k=k, depth=depth, seed=seed)

@@ -85,7 +85,9 @@ def decoder_config(target: Target, depth: int) -> dict:
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
         max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        rope_parameters=dict(
+            getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        ),
         # The decoder never embeds ids (we pass inputs_embeds); a 1-row table keeps HF happy.
         vocab_size=1,
         pad_token_id=None,
@@ -181,7 +183,9 @@ class DrafterNet(nn.Module):
     def set_vocab(self, ids: torch.Tensor) -> None:
         """VocabTrim: score only `ids` (the most frequent target tokens)."""
         if not self.cfg.vocab_size or ids.numel() != self.cfg.vocab_size:
-            raise ValueError(f"set_vocab needs exactly vocab_size={self.cfg.vocab_size} ids, got {ids.numel()}")
+            raise ValueError(
+                f"set_vocab needs exactly vocab_size={self.cfg.vocab_size} ids, got {ids.numel()}"
+            )
         self.vocab_ids.copy_(ids.to(self.vocab_ids.device))
         self.refresh_head()
 
@@ -217,11 +221,15 @@ class DrafterNet(nn.Module):
         small = self.head_logits(h)  # (..., Vt)
         if not self.cfg.vocab_size:
             return small
-        full = small.new_full((*small.shape[:-1], self.target_vocab_size), float("-inf"))  # (..., V)
+        full = small.new_full(
+            (*small.shape[:-1], self.target_vocab_size), float("-inf")
+        )  # (..., V)
         full[..., self.vocab_ids] = small
         return full
 
-    def embed_nodes(self, tokens: torch.Tensor, features: torch.Tensor, mask_idx: torch.Tensor) -> torch.Tensor:
+    def embed_nodes(
+        self, tokens: torch.Tensor, features: torch.Tensor, mask_idx: torch.Tensor
+    ) -> torch.Tensor:
         """Decoder inputs for packed training nodes.
 
         tokens, mask_idx: (B, M); features: (B, M, F) target states for real nodes.
@@ -240,11 +248,22 @@ class DrafterNet(nn.Module):
         pos = torch.arange(state.pos, state.pos + n, device=x.device)[None]  # (1, n)
         # Each new row sees the cache and the new rows up to itself. SDPA's own causal flag
         # aligns top-left, so rows after a cache need this mask; one row or no cache do not.
-        mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)[None, None] if n > 1 and past else None
+        mask = (
+            torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)[None, None]
+            if n > 1 and past
+            else None
+        )
         h = x[None]  # (1, n, D)
         rope = self.decoder.rotary_emb(h, position_ids=pos)
         for layer in self.decoder.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos, cache=state.cache, use_cache=True)
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_embeddings=rope,
+                position_ids=pos,
+                cache=state.cache,
+                use_cache=True,
+            )
         state.pos += n
         return self.decoder.norm(h)[0]  # (n, H)
 

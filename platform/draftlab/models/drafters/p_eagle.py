@@ -71,11 +71,17 @@ class PEagleDrafter(ParallelDrafter):
         n = target.num_layers
         layers = cfg.aux_layers or eagle3_aux_layers(n)
         if len(layers) < 1 or any(not 0 <= i < n for i in layers):
-            raise ValueError(f"aux_layers {layers} must be layer ids in [0, {n - 1}] of the target ({n} layers)")
+            raise ValueError(
+                f"aux_layers {layers} must be layer ids in [0, {n - 1}] of the target ({n} layers)"
+            )
         tok = target.tokenizer
         mask = cfg.mask_token_id
         if mask is None:  # any fixed token works (its embedding is frozen, the rest is learned)
-            mask = next(t for t in (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id, 0) if t is not None)
+            mask = next(
+                t
+                for t in (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id, 0)
+                if t is not None
+            )
         return cfg.model_copy(update={"aux_layers": list(layers), "mask_token_id": int(mask)})
 
     def fc_inputs(self, hidden: int) -> int:
@@ -84,7 +90,9 @@ class PEagleDrafter(ParallelDrafter):
     def build_extra(self, cfg: DrafterConfig) -> None:
         self.decoder.layers[0] = FusedInputLayer(self.decoder.config)
         # vLLM loads it as a buffer; here it is learned.
-        self.mask_hidden = nn.Parameter(torch.randn(1, self.fc_inputs(cfg.decoder["hidden_size"])) * 0.02)
+        self.mask_hidden = nn.Parameter(
+            torch.randn(1, self.fc_inputs(cfg.decoder["hidden_size"])) * 0.02
+        )
 
     def _project(self, emb: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """(..., H) embeddings + (..., 3H) aux states -> (..., 2H) decoder inputs."""

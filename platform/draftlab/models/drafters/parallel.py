@@ -22,13 +22,17 @@ from draftlab.models.drafters.registry import register_drafter
 class ParallelDrafter(DrafterNet):
     def build_extra(self, cfg: DrafterConfig) -> None:
         # k-1 masks: the last real token already yields the first draft.
-        self.mask_embeddings = nn.Parameter(torch.randn(cfg.k - 1, cfg.decoder["hidden_size"]) * 0.02)
+        self.mask_embeddings = nn.Parameter(
+            torch.randn(cfg.k - 1, cfg.decoder["hidden_size"]) * 0.02
+        )
 
     def mask_input(self, j: torch.Tensor) -> torch.Tensor:
         """(...,) slot numbers (0 = the first parallel slot) -> (..., D) decoder inputs."""
         return self.mask_embeddings[j]  # (..., H)
 
-    def embed_nodes(self, tokens: torch.Tensor, features: torch.Tensor, mask_idx: torch.Tensor) -> torch.Tensor:
+    def embed_nodes(
+        self, tokens: torch.Tensor, features: torch.Tensor, mask_idx: torch.Tensor
+    ) -> torch.Tensor:
         """Training's packed groups (`distill/group_mask.py`): real nodes fused as in the base
         network, mask nodes (mask_idx (B, M) >= 0) given their slot's input."""
         x = super().embed_nodes(tokens, features, mask_idx)  # (B, M, D)
@@ -40,7 +44,9 @@ class ParallelDrafter(DrafterNet):
     def check_k(self, k: int) -> None:
         super().check_k(k)
         if k > self.cfg.k:
-            raise ValueError(f"this {self.family} drafter was built for k <= {self.cfg.k} (got {k})")
+            raise ValueError(
+                f"this {self.family} drafter was built for k <= {self.cfg.k} (got {k})"
+            )
 
     @torch.inference_mode()
     def propose(self, state: DraftState, tokens, features, k: int, pick: Pick):
@@ -48,7 +54,9 @@ class ParallelDrafter(DrafterNet):
         n = tokens.shape[0]
         slots = state.slots.get(k)
         if slots is None:  # p-eagle's slot input runs `fc`: once per request, not per round
-            slots = state.slots[k] = self.mask_input(torch.arange(k - 1, device=tokens.device)).to(self.fc.weight.dtype)
+            slots = state.slots[k] = self.mask_input(torch.arange(k - 1, device=tokens.device)).to(
+                self.fc.weight.dtype
+            )
         x = torch.cat([self.fuse(tokens, features), slots])  # (n + k-1, D)
         h = self.step(state, x)  # (n + k-1, H)
         if k > 1:

@@ -33,13 +33,21 @@ def register_drafter(name: str, family: Family | None = None) -> Callable[[type]
     attributes (`family`, `trains_groups`, `uses_aux_features`)."""
     facts = family or _FAMILIES.get(name)
     if facts is None:
-        raise ValueError(f"drafter family {name!r} is new: declare it with register_drafter({name!r}, Family(...))")
+        raise ValueError(
+            f"drafter family {name!r} is new: declare it with register_drafter({name!r}, Family(...))"
+        )
 
     def deco(cls: type) -> type:
         if name in _CLASSES and _CLASSES[name] is not cls:
-            raise ValueError(f"drafter family {name!r} is already registered by {_CLASSES[name].__name__}")
+            raise ValueError(
+                f"drafter family {name!r} is already registered by {_CLASSES[name].__name__}"
+            )
         _FAMILIES[name], _CLASSES[name] = facts, cls
-        cls.family, cls.trains_groups, cls.uses_aux_features = name, facts.trains_groups, facts.uses_aux_features
+        cls.family, cls.trains_groups, cls.uses_aux_features = (
+            name,
+            facts.trains_groups,
+            facts.uses_aux_features,
+        )
         return cls
 
     return deco
@@ -54,7 +62,9 @@ def family(name: str) -> Family:
     try:
         return _FAMILIES[name]
     except KeyError:
-        raise KeyError(f"unknown drafter family {name!r}; available: {available_drafters()}") from None
+        raise KeyError(
+            f"unknown drafter family {name!r}; available: {available_drafters()}"
+        ) from None
 
 
 def drafter_class(name: str) -> type:
@@ -64,4 +74,6 @@ def drafter_class(name: str) -> type:
     try:
         return _CLASSES[name]
     except KeyError:
-        raise KeyError(f"drafter family {name!r} has no class registered: import its module first") from None
+        raise KeyError(
+            f"drafter family {name!r} has no class registered: import its module first"
+        ) from None
