@@ -1,6 +1,7 @@
-"""Ray job entrypoint for drafter distillation.
+r"""Ray job entrypoint for drafter distillation.
 
-ray job submit --working-dir . -- python jobs/distill.py -c jobs/configs/smollm2-135m-parallel-k4.yaml
+ray job submit --working-dir . -- \
+    python jobs/distill.py -c jobs/configs/smollm2-135m-parallel-k4.yaml
 python jobs/distill.py -c jobs/configs/smollm2-135m-parallel-k4.yaml train.epochs=2 name=my-run
 """
 

@@ -368,7 +368,8 @@ def test_bad_prompt_file_names_line(tmp_path, capsys):
     assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
     assert f"{f}:2: needs a 'prompt', chat 'messages'" in capsys.readouterr().err
     f.write_text(
-        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": '
+        '"yo"}]}\n'
     )
     assert main(["bench", "--target", "tiny-llama", "--prompts", str(f)]) == 2
     assert f"{f}:1: the last message must be a user turn" in capsys.readouterr().err

@@ -87,8 +87,8 @@ def test_generate_check_names_the_stale_file(tmp_path):
     )
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1, out.stderr
-    assert (
-        err[0]
-        == "draftlab generate: error: stale generated files (run `draftlab generate`): docs/configuration.md"
+    assert err[0] == (
+        "draftlab generate: error: stale generated files (run `draftlab generate`): "
+        "docs/configuration.md"
     )
     assert (tmp_path / "docs" / "configuration.md").read_text() == "stale\n"

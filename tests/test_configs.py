@@ -62,7 +62,8 @@ def test_overrides_and_missing_file(tmp_path):
 def test_distill_config_errors_name_fields(tmp_path):
     f = tmp_path / "d.yaml"
     f.write_text(
-        "drafter: {family: parallel, k: 0}\ntrain: {lr: -1, epohcs: 3}\nscaling: {placement_strategy: RANDOM}\n"
+        "drafter: {family: parallel, k: 0}\ntrain: {lr: -1, epohcs: 3}\nscaling: "
+        "{placement_strategy: RANDOM}\n"
     )
     with pytest.raises(ConfigError) as e:
         load_yaml(DistillConfig, f)
@@ -70,8 +71,8 @@ def test_distill_config_errors_name_fields(tmp_path):
     assert "drafter.k: Input should be greater than or equal to 1" in msg
     assert "train.lr:" in msg and "train.epohcs: unknown key" in msg
     assert (
-        "scaling.placement_strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'"
-        in msg
+        "scaling.placement_strategy: Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or "
+        "'STRICT_SPREAD'" in msg
     )
 
 

@@ -1,6 +1,7 @@
 """The generated references (docs/configuration.md from the config models, docs/bench-report.md
-from the bench report's model, docs/cli.md from the argument parser) are complete and kept in sync; every relative link in README.md and docs/
-resolves; the README stays short and opens with the two set-up commands CI runs."""
+from the bench report's model, docs/cli.md from the argument parser) are complete and kept in
+sync; every relative link in README.md and docs/ resolves; the README stays short and opens
+with the two set-up commands CI runs."""
 
 from __future__ import annotations
 
@@ -144,13 +145,14 @@ def test_toy_rendering():
     )
     # the index: a link to each model's table, what it configures, its top-level fields
     assert (
-        "| [Toys: `Toy`](#toys-toy) | `toys/*.yaml` | `name`, `ratio`, `levels`, `leaf`, `leaves`, `spare` |"
-        in text.splitlines()
+        "| [Toys: `Toy`](#toys-toy) | `toys/*.yaml` | `name`, `ratio`, `levels`, `leaf`, `leaves`, "
+        "`spare` |" in text.splitlines()
     )
     rows = [ln for ln in text.splitlines() if ln.startswith("| `")]
     assert rows == [
         "| `name` | `str`, pattern `^[a-z]+$` | required | Required, with a pattern. |",
-        "| `ratio` | `float \\| None`, > 0.0, <= 1.0 | `None` | None by default; a \\| in a docstring. |",
+        "| `ratio` | `float \\| None`, > 0.0, <= 1.0 | `None` | None by default; a \\| in a "
+        "docstring. |",
         "| `levels` | `list[int]`, min length 1 | `[1, 4]` | A default factory. |",
         "| `leaf` | `Leaf` |  | A section whose default differs from its class defaults. |",
         "| `leaf.mode` | `'fast' \\| 'slow'` | `'fast'` | How to go. |",

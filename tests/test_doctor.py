@@ -164,10 +164,10 @@ def test_runs_from_the_source_tree_without_ray_mlflow_or_vllm():
     """On a GPU machine without draftlab installed: `PYTHONPATH=platform python -m draftlab
     doctor`; it imports none of the cluster, tracking or serving stacks."""
     code = (
-        "import sys, runpy; sys.argv = ['draftlab', 'doctor', '--device', 'cpu', '--checks', 'env,verify', '--contexts', '8'];"
-        "from draftlab.cli import main; rc = main();"
-        "heavy = [m for m in ('ray', 'mlflow', 'vllm', 'fastapi', 'datasets') if m in sys.modules];"
-        "print('HEAVY', heavy); sys.exit(rc)"
+        "import sys, runpy; sys.argv = ['draftlab', 'doctor', '--device', 'cpu', '--checks', "
+        "'env,verify', '--contexts', '8'];from draftlab.cli import main; rc = main();heavy = [m "
+        "for m in ('ray', 'mlflow', 'vllm', 'fastapi', 'datasets') if m in "
+        "sys.modules];print('HEAVY', heavy); sys.exit(rc)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

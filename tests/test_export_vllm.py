@@ -139,7 +139,8 @@ def test_vllm_acceptance_matches_our_engine(vllm_runs, target, drafter_dir, prom
     ours = [a / ours_rounds for a in ours_at]
     theirs = [a / theirs_rounds for a in theirs_at]
     print(
-        f"\nper-position acceptance: ours {ours} ({ours_rounds} rounds), vLLM {theirs} ({theirs_rounds} rounds)"
+        f"\nper-position acceptance: ours {ours} ({ours_rounds} rounds), vLLM {theirs} "
+        f"({theirs_rounds} rounds)"
     )
     assert ours[0] > 0.2  # a test that can fail: the drafter is accepted, by both
     for a, b in zip(ours, theirs, strict=True):

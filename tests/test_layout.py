@@ -107,6 +107,9 @@ def test_configs_and_the_drafter_registry_import_without_torch():
     # `draftlab.config` (its `distill` module) validates drafter families through the registry,
     # a leaf: checking a job file must not load torch or transformers (nor, through them, a
     # family module)
-    code = "import sys, draftlab.config; assert not {'torch', 'transformers'} & set(sys.modules), 'heavy'"
+    code = (
+        "import sys, draftlab.config; assert not {'torch', 'transformers'} & set(sys.modules), "
+        "'heavy'"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

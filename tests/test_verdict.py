@@ -136,7 +136,8 @@ def test_a_built_in_method_that_wins_is_said_plainly_and_deployed():
 
 
 def test_suffix_is_deployed_with_a_schedule_that_stops_drafting_where_it_lost_under_load():
-    """vLLM's suffix proposer takes no schedule; draftlab's scheduler applies it (`with_schedule`)."""
+    """vLLM's suffix proposer takes no schedule; draftlab's scheduler applies it
+    (`with_schedule`)."""
     r = _report(
         {"vllm_ar": 10, "vllm_suffix": 12},
         {"vllm_ar": {1: 10, 16: 60}, "vllm_suffix": {1: 12, 16: 55}},

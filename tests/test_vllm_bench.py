@@ -141,7 +141,8 @@ def test_bench_report_has_the_vllm_fields(report):
         "num_speculative_tokens": K,
         "parallel_drafting": True,
     }
-    # copies of ngram.tokens (they do not grow in vLLM), the drafter's K tokens where the text has no match
+    # copies of ngram.tokens (they do not grow in vLLM), the drafter's K tokens where the text
+    # has no match
     copy = BenchConfig().ngram.tokens
     assert copy > K
     assert v["speculative_config"]["vllm_draftlab_ngram"] | {"model": None} == {
@@ -290,7 +291,8 @@ def test_vllm_draftlab_drafts_as_deep_as_the_saved_drafters_tree(target, tmp_pat
 
     assert drafted() == 1  # [[0], [1]]: one position deep, as our engine serves it
     assert drafted(k=3) == 3  # --k wins
-    # a per-round tree reaches its pool's depth only in sure rounds: as deep as the best static tree its size
+    # a per-round tree reaches its pool's depth only in sure rounds: as deep as the best static
+    # tree its size
     pool = [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
     (saved / "tree.json").write_text(json.dumps({"paths": pool, "per_round": 2}))
     (saved / "tree-search.json").write_text(
@@ -376,5 +378,6 @@ def test_cli_console_script_runs_vllm_in_engine_processes(target_dir, tmp_path):
     assert report["vllm_ar_matches_ar"] is True
     assert report["vllm_greedy_checked"] is False  # nothing speculative to compare
     print(
-        f"vLLM engine start-up through the CLI (tiny, eager): {report['vllm']['startup_s']['vllm_ar']:.1f} s"
+        "vLLM engine start-up through the CLI (tiny, eager): "
+        f"{report['vllm']['startup_s']['vllm_ar']:.1f} s"
     )

@@ -520,7 +520,8 @@ def _vllm_plan(
         if drafter.family not in VLLM_FAMILIES:
             raise ValueError(
                 f"methods {drafted}: drafter {cfg.drafter!r} is a {drafter.family!r} drafter; vLLM "
-                f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with drafter.family=p-eagle)"
+                f"runs {list(VLLM_FAMILIES)} (--drafter init:p-eagle, or train with "
+                "drafter.family=p-eagle)"
             )
         # The drafter in memory is the one measured (a saved dir or init:), so export that.
         saved = drafter.save(work / "drafter")
@@ -562,7 +563,8 @@ def _run_vllm(
 ) -> tuple[dict[str, list[tuple[str, Run]]], dict | None, dict]:
     """Each planned engine as one block, one alive at a time: after the warm-up its methods
     interleaved prompt by prompt over all prompts, then each load level (`cfg.concurrency`)
-    for each of its finalists (`_finalist`, or all with `cfg.load_all`). Returns the runs, the engines' info and {method: {level: load}}."""
+    for each of its finalists (`_finalist`, or all with `cfg.load_all`). Returns the runs,
+    the engines' info and {method: {level: load}}."""
     if not plan:
         return {}, None, {}
 
@@ -733,12 +735,14 @@ def render_table(report: dict) -> str:
             else ("n/a (sampling)" if report["temperature"] else "n/a (no draftlab_* method)")
         )
         console.print(
-            f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: {report['max_new_tokens']}"
+            f"greedy_identical: {ident}   prompts: {report['prompts']}   max_new_tokens: "
+            f"{report['max_new_tokens']}"
         )
         if report.get("greedy_mismatches"):
             console.print(
-                f"greedy outputs that left ar's: {describe_mismatches(report['greedy_mismatches'])} "
-                "(greedy_mismatches in the JSON)"
+                "greedy outputs that left ar's: "
+                f"{describe_mismatches(report['greedy_mismatches'])} (greedy_mismatches in the "
+                "JSON)"
             )
         if cov := report.get("drafter_head_coverage"):
             low = min(cov["by_category"].items(), key=lambda kv: kv[1])
@@ -749,8 +753,9 @@ def render_table(report: dict) -> str:
         if vllm:
             vident = report["vllm_greedy_identical"] if report["vllm_greedy_checked"] else "n/a"
             console.print(
-                f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: {report['vllm_ar_matches_ar']}   "
-                f"vLLM engines ran after ours, one block each: {', '.join(report['vllm_order']['blocks'])}"
+                f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: "
+                f"{report['vllm_ar_matches_ar']}   vLLM engines ran after ours, one block each: "
+                f"{', '.join(report['vllm_order']['blocks'])}"
             )
         if load := report.get("load"):
             console.print(load_table(load))

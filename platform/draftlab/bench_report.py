@@ -37,7 +37,8 @@ class CategorySummary(StrictModel):
     speedup_vs_ar: float
     """`tokens_per_s` over `ar`'s on the same category (0.0 when `ar` has none)."""
     speedup_vs_vllm_ar: float | None = Field(None, exclude_if=unset)
-    """`tokens_per_s` over `vllm_ar`'s on the same category; left out when None (no vLLM methods)."""
+    """`tokens_per_s` over `vllm_ar`'s on the same category; left out when None (no vLLM
+    methods)."""
 
 
 class MethodSummary(StrictModel):

@@ -45,7 +45,7 @@ def _target(a: argparse.Namespace) -> TargetSpec:
 
 
 def _distill(a: argparse.Namespace) -> None:
-    from draftlab.distill.launch import format_summary, run_distill  # noqa: PLC0415 -- torch, Ray Train
+    from draftlab.distill.launch import format_summary, run_distill  # noqa: PLC0415 -- torch, Ray
 
     cfg = load_yaml(DistillConfig, a.config, parse_overrides(a.overrides))
     print(format_summary(run_distill(cfg)))
@@ -63,7 +63,8 @@ def _select_tree(a: argparse.Namespace) -> None:
             if not ngram
             else (
                 f" +lookups ({ngram['store_tokens']} from the store, paths carried on by "
-                f"{ngram['extend']} from depth {ngram['extend_from']}) in {c['lookup_rounds']:.0%} of rounds"
+                f"{ngram['extend']} from depth {ngram['extend_from']}) in {c['lookup_rounds']:.0%} "
+                "of rounds"
             )
         )
         print(
@@ -76,7 +77,7 @@ def _select_tree(a: argparse.Namespace) -> None:
 
 
 def _sweep(a: argparse.Namespace) -> None:
-    from draftlab.sweep.runner import format_table, resume_sweep, run_sweep  # noqa: PLC0415 -- Ray Tune
+    from draftlab.sweep.runner import format_table, resume_sweep, run_sweep  # noqa: PLC0415 -- Tune
 
     if bool(a.config) == bool(a.resume):
         raise ConfigError(
@@ -95,8 +96,9 @@ def _sweep(a: argparse.Namespace) -> None:
     best, champ = summary.get("best"), summary.get("champion")
     if best:
         print(
-            f"best: K={best['k']} depth={best['depth']} tree={best['tree']}: tau {best['tau']:.3f}, "
-            f"speedup_vs_ar {best['speedup_vs_ar']:.3f} (MLflow run {best['mlflow_run_id']})"
+            f"best: K={best['k']} depth={best['depth']} tree={best['tree']}: tau "
+            f"{best['tau']:.3f}, speedup_vs_ar {best['speedup_vs_ar']:.3f} (MLflow run "
+            f"{best['mlflow_run_id']})"
         )
     if champ:
         print(f"champion: {champ['model']} version {champ['version']} @{champ['alias']}")
@@ -146,7 +148,8 @@ def _serve(a: argparse.Namespace) -> None:
     vllm = isinstance(spec["args"], VllmServeArgs)
     if a.engine and a.engine != ("vllm" if vllm else "draftlab"):
         raise ConfigError(
-            f"{a.config} serves with --engine {'vllm' if vllm else 'draftlab'}, not --engine {a.engine}"
+            f"{a.config} serves with --engine {'vllm' if vllm else 'draftlab'}, not --engine "
+            f"{a.engine}"
         )
     if vllm and a.tree:
         raise ConfigError(
@@ -210,7 +213,8 @@ def _submit(a: argparse.Namespace) -> None:
         raise ConfigError("--env takes KEY=VALUE")
     job_id = submit.submit(a.kind, a.config, a.overrides, a.address, a.pip, env)
     print(
-        f"submitted {a.kind} job {job_id}\n  draftlab jobs logs {job_id} --follow\n  draftlab jobs stop {job_id}"
+        f"submitted {a.kind} job {job_id}\n  draftlab jobs logs {job_id} --follow\n"
+        f"  draftlab jobs stop {job_id}"
     )
     if a.follow:
         submit.logs(job_id, a.address, follow=True)
@@ -254,7 +258,11 @@ def _runs(a: argparse.Namespace) -> None:
 
 
 def _export(a: argparse.Namespace) -> None:
-    from draftlab.export import export_vllm, served_draft_length, vllm_speculative_config  # noqa: PLC0415 -- torch
+    from draftlab.export import (  # noqa: PLC0415 -- torch
+        export_vllm,
+        served_draft_length,
+        vllm_speculative_config,
+    )
 
     out = export_vllm(a.drafter, a.out)
     k = served_draft_length(local_copy(a.drafter))
@@ -332,7 +340,7 @@ def _doctor(a: argparse.Namespace) -> None:
     cfg = DoctorConfig(
         device="cuda" if a.gpu else a.device, **{k: v for k, v in given.items() if v is not None}
     )
-    out = open(cfg.json_out, "w") if cfg.json_out else None  # noqa: SIM115 -- closed below, after every line
+    out = open(cfg.json_out, "w") if cfg.json_out else None  # noqa: SIM115 -- closed below
 
     def emit(line: dict) -> None:
         text = json.dumps(line)

@@ -15,8 +15,9 @@ from draftlab.submit import DEFAULT_ADDRESS, ENTRYPOINTS
 QUICK = "jobs/configs/pipeline-tiny-quick.yaml"  # `draftlab pipeline --quick` (from the repo root)
 METHODS = ["ar", "hf_generate", "hf_prompt_lookup", "draftlab_chain", "draftlab_tree"]
 PROMPTS_HELP = (
-    "a JSONL file of {'prompt'}, chat {'messages'} or Spec-Bench {'turns'} rows, datasets:<name or file>[:split], "
-    "or a packaged set: default, heldout, mixed (default: default; docs/prompts.md)"
+    "a JSONL file of {'prompt'}, chat {'messages'} or Spec-Bench {'turns'} rows, "
+    "datasets:<name or file>[:split], or a packaged set: default, heldout, mixed (default: "
+    "default; docs/prompts.md)"
 )
 DEVICES = list(get_args(TargetSpec.model_fields["device"].annotation))  # what TargetSpec accepts
 DTYPES = list(get_args(TargetSpec.model_fields["dtype"].annotation))
@@ -35,7 +36,8 @@ examples:
       every stage in a few minutes on a tiny random target
   draftlab distill -c jobs/configs/smollm2-135m-parallel-k4.yaml train.lr=3e-4 name=my-run
       train a drafter; key=value arguments override the config's fields
-  draftlab bench --drafter DRAFTER_DIR --methods ar,vllm_ar,vllm_suffix,vllm_draftlab --concurrency 1,4,16
+  draftlab bench --drafter DRAFTER_DIR --methods ar,vllm_ar,vllm_suffix,vllm_draftlab \
+--concurrency 1,4,16
       measure the contenders in vLLM and print which one to deploy
   draftlab serve -c serving/smollm2-135m-vllm.yaml
       serve the registered champion with vLLM through Ray Serve LLM
@@ -52,8 +54,8 @@ saying why and exits with status 2."""
 
 
 def package_version() -> str:
-    """The installed distribution's version; in a checkout that is not installed (PYTHONPATH=platform),
-    pyproject.toml's."""
+    """The installed distribution's version; in a checkout that is not installed
+    (PYTHONPATH=platform), pyproject.toml's."""
     try:
         return metadata.version("draftlab")
     except metadata.PackageNotFoundError:
@@ -92,7 +94,10 @@ def _target_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)",
+        help=(
+            "weights dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else "
+            "float32)"
+        ),
     )
     p.add_argument(
         "--trust-remote-code",
@@ -145,19 +150,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--tree",
         default=None,
-        help="tree preset, chain-<k>, searched-<n> (the drafter's best n-node tree, from its tree-search.json), or JSON file of rank paths (default: the drafter dir's tree.json, else default); @n after it verifies n of its nodes per round, the drafter's likeliest; +ngram grafts prompt lookups",
+        help=(
+            "tree preset, chain-<k>, searched-<n> (the drafter's best n-node tree, from its "
+            "tree-search.json), or JSON file of rank paths (default: the drafter dir's tree.json, "
+            "else default); @n after it verifies n of its nodes per round, the drafter's "
+            "likeliest; +ngram grafts prompt lookups"
+        ),
     )
     b.add_argument(
         "--trees",
         type=_csv,
         default="",
-        help="comma list of more trees (as --tree), each benched side by side as a draftlab_tree:<spec> method",
+        help=(
+            "comma list of more trees (as --tree), each benched side by side as a "
+            "draftlab_tree:<spec> method"
+        ),
     )
     b.add_argument(
         "--versus",
         type=_csv,
         default="",
-        help="comma list of other saved drafters for the same target, each benched with its own tree.json (or --tree) and lookup store as a draftlab_tree@<path> method, side by side",
+        help=(
+            "comma list of other saved drafters for the same target, each benched with its own "
+            "tree.json (or --tree) and lookup store as a draftlab_tree@<path> method, side by side"
+        ),
     )
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -168,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_csv,
         default=",".join(METHODS),
         help=f"comma list of {', '.join(METHODS)} (the default); "
-        "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the chain/tree); "
-        "vLLM's vllm_ar, vllm_ngram, vllm_suffix (needs arctic-inference), vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s to minutes)",
+        "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the "
+        "chain/tree); vLLM's vllm_ar, vllm_ngram, vllm_suffix (needs arctic-inference), "
+        "vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s "
+        "to minutes)",
     )
     b.add_argument(
         "--ngram-tokens",
@@ -193,25 +211,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--ngram-grow-to",
         type=int,
         default=NgramSpec().grow_to,
-        help="*_ngram in our engine: after a round that commits a whole copy, copy twice as many tokens next, up to this (<= --ngram-tokens: fixed); vLLM's copies stay --ngram-tokens long",
+        help=(
+            "*_ngram in our engine: after a round that commits a whole copy, copy twice as many "
+            "tokens next, up to this (<= --ngram-tokens: fixed); vLLM's copies stay --ngram-tokens "
+            "long"
+        ),
     )
     b.add_argument(
         "--ngram-store-tokens",
         type=int,
         default=NgramSpec().store_tokens,
-        help="*_ngram: longest branch from the drafter's lookup-store (its training responses) where the text has no match; 0 = text only",
+        help=(
+            "*_ngram: longest branch from the drafter's lookup-store (its training responses) "
+            "where the text has no match; 0 = text only"
+        ),
     )
     b.add_argument(
         "--ngram-extend",
         type=int,
         default=NgramSpec().extend,
-        help="*_ngram in our engine: carry on each prefix of the drafter's likeliest path (and its next likeliest first token) with up to this many looked-up tokens (text, then store); 0 = off",
+        help=(
+            "*_ngram in our engine: carry on each prefix of the drafter's likeliest path (and its "
+            "next likeliest first token) with up to this many looked-up tokens (text, then store); "
+            "0 = off"
+        ),
     )
     b.add_argument(
         "--vllm-memory-fraction",
         type=float,
         default=VllmBenchSpec().memory_fraction,
-        help="vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for weights + KV cache",
+        help=(
+            "vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for "
+            "weights + KV cache"
+        ),
     )
     b.add_argument(
         "--vllm-draft-lengths",
@@ -225,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints,
         default="",
         help="vllm_*: also measure each method under load at "
-        "these levels (comma list, e.g. 1,4,16) and print the verdict: the configuration to deploy and its "
-        "batch-size schedule of draft tokens",
+        "these levels (comma list, e.g. 1,4,16) and print the verdict: the configuration to deploy "
+        "and its batch-size schedule of draft tokens",
     )
     b.add_argument(
         "--load-all",
@@ -252,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--trees",
         type=_csv,
         default=None,
-        help="comma list of trees whose verify is timed (chain-<n>, a preset, a JSON file; default small-6,default,wide-16)",
+        help=(
+            "comma list of trees whose verify is timed (chain-<n>, a preset, a JSON file; default "
+            "small-6,default,wide-16)"
+        ),
     )
     p.add_argument(
         "--depths",
@@ -272,9 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="check the engine on this machine's CPU or GPU: identity with margins, "
         "verify and decode costs, a training step (JSON lines)",
-        description="Runs with torch, transformers and pydantic alone (no Ray, MLflow, vLLM or hub): "
-        "random-weight Llamas of real shapes built in memory, or --target DIR. Without draftlab "
-        "installed: PYTHONPATH=platform python -m draftlab doctor [options].",
+        description="Runs with torch, transformers and pydantic alone (no Ray, MLflow, vLLM or "
+        "hub): random-weight Llamas of real shapes built in memory, or --target DIR. Without "
+        "draftlab installed: PYTHONPATH=platform python -m draftlab doctor [options].",
     )
     dr.add_argument(
         "--device",
@@ -353,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "sweep",
-        help="Ray Tune sweep of K, depth and tree shape against measured speedup (champion -> MLflow)",
+        help=(
+            "Ray Tune sweep of K, depth and tree shape against measured speedup (champion -> "
+            "MLflow)"
+        ),
     )
     s.add_argument("-c", "--config", default=None, help="sweep YAML (see sweeps/)")
     s.add_argument(
@@ -522,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         default=None,
         help="the traffic the compare stage measures on (= prompts=...): "
-        "a JSONL file, datasets:<name or file>[:split], or a packaged set (mixed, default, heldout)",
+        "a JSONL file, datasets:<name or file>[:split], or a packaged set (mixed, default, "
+        "heldout)",
     )
     pl.add_argument("--json", dest="json_out", default=None, help="also write the summary here")
     pl.add_argument("--quiet", action="store_true", help="no progress output")
@@ -576,7 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser(
         "report",
-        help="HTML + markdown report of a pipeline, sweep, drafter or MLflow run (logged to MLflow)",
+        help=(
+            "HTML + markdown report of a pipeline, sweep, drafter or MLflow run (logged to MLflow)"
+        ),
         description="One self-contained HTML page and its markdown twin. SOURCE is a pipeline "
         "directory (.draftlab/pipelines/NAME), a sweep directory (<storage>/sweeps/NAME), a saved "
         "drafter directory (its training.json: held-out acceptance against training minutes and "
@@ -596,7 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "generate",
-        help="regenerate docs/configuration.md, docs/bench-report.md, docs/cli.md and infra/k8s/rayservice-*.yaml",
+        help=(
+            "regenerate docs/configuration.md, docs/bench-report.md, docs/cli.md and "
+            "infra/k8s/rayservice-*.yaml"
+        ),
     )
     g.add_argument(
         "--check", action="store_true", help="write nothing; exit 2 naming the stale files, if any"
@@ -625,5 +669,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Each command imports its library module when it runs (its `noqa: PLC0415` says what that module
-# pulls in): `draftlab --help` and the light commands load no torch, Ray, MLflow or vLLM at start-up.
+# Each command imports its library module when it runs (its `noqa: PLC0415` says what that
+# module pulls in): `draftlab --help` and the light commands load no torch, Ray, MLflow or vLLM
+# at start-up.

@@ -145,17 +145,20 @@ def render_rayservice(serving_file: Path, root: Path = REPO_ROOT) -> str:
     }
     source, out = _relative(serving_file, root), output_path(serving_file)
     header = [
-        f"# kubectl apply -f {out}     (after infra/k8s/shared-storage.yaml and infra/k8s/mlflow.yaml)",
+        f"# kubectl apply -f {out}     (after infra/k8s/shared-storage.yaml and "
+        "infra/k8s/mlflow.yaml)",
         f"# generated from {source} {GENERATED}. Its sources are that file (the Serve application)",
         f"# and {CLUSTER_FILE} (the Ray cluster): edit them, then run `draftlab generate`.",
-        "# http_options are the cluster's (host 0.0.0.0, the head's serve port), not the serving file's.",
-        f"# Endpoint: kubectl port-forward svc/{name}-serve-svc {serve_port(spec)}:{serve_port(spec)}"
-        f" -> http://localhost:{serve_port(spec)}/v1",
+        "# http_options are the cluster's (host 0.0.0.0, the head's serve port), not the serving "
+        "file's.",
+        f"# Endpoint: kubectl port-forward svc/{name}-serve-svc "
+        f"{serve_port(spec)}:{serve_port(spec)} -> http://localhost:{serve_port(spec)}/v1",
     ]
     if key_vars:
         literals = " ".join(f"--from-literal={v}=KEY1,KEY2" for v in key_vars)
         header.append(
-            f"# API keys first (pods wait for it): kubectl create secret generic {API_KEYS_SECRET} {literals}"
+            f"# API keys first (pods wait for it): kubectl create secret generic {API_KEYS_SECRET} "
+            f"{literals}"
         )
     return (
         "\n".join(header) + "\n" + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, width=120)
@@ -163,9 +166,10 @@ def render_rayservice(serving_file: Path, root: Path = REPO_ROOT) -> str:
 
 
 def regenerate(check: bool = False, root: str | Path = REPO_ROOT) -> list[str]:
-    """Rewrite every `infra/k8s/rayservice-*.yaml` from the `serving/*.yaml` that run `on_cluster` (and delete generated
-    ones whose serving file is gone); returns the changed paths, relative to `root`.
-    `check=True` writes nothing and returns the stale or missing ones."""
+    """Rewrite every `infra/k8s/rayservice-*.yaml` from the `serving/*.yaml` that run
+    `on_cluster` (and delete generated ones whose serving file is gone); returns the changed
+    paths, relative to `root`. `check=True` writes nothing and returns the stale or missing
+    ones."""
     root = Path(root)
     wanted = {output_path(p): p for p in sorted((root / "serving").glob("*.yaml")) if on_cluster(p)}
 

@@ -54,7 +54,8 @@ SWEEP_COLUMNS = (
     "train_steps",
     "greedy_identical",
 )
-CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;\
+margin:2em auto;padding:0 1em;color:#222}
 h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:14px;max-width:100%}
 td,th{overflow-wrap:anywhere}
@@ -82,8 +83,8 @@ def write_report(
     if path.exists() or not RUN_ID.fullmatch(source):
         raise ValueError(
             f"report source {source!r} is neither a directory nor an MLflow run id: pass a sweep "
-            f"directory (<storage>/sweeps/<name>), a pipeline directory (.draftlab/pipelines/<name>) "
-            f"or a run id (32 hex characters)"
+            "directory (<storage>/sweeps/<name>), a pipeline directory "
+            "(.draftlab/pipelines/<name>) or a run id (32 hex characters)"
         )
 
     tracker = Tracker(tracking_uri, run_id=source)
@@ -101,8 +102,8 @@ def _write(
     inputs = find_inputs(root)
     if not any(inputs[k] for k in ("pipeline", "sweep", "bench", "profile", "training")):
         raise ValueError(
-            f"report source {label!r} holds no report input: none of summary.json, results/summary.json, "
-            f"sweep/summary.json, bench.json, profile.json, training.json"
+            f"report source {label!r} holds no report input: none of summary.json, "
+            "results/summary.json, sweep/summary.json, bench.json, profile.json, training.json"
         )
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -240,9 +241,10 @@ def _verdict(bench: dict, plots: Path) -> list[tuple]:
         blocks += [
             (
                 "p",
-                f"Output tokens/s against vLLM target-only (vllm_ar) with that many requests in flight "
-                f"(closed loop, {bench['prompts']} prompts cycled). The served configuration drafts only at "
-                "the loads where it won: its batch-size schedule is in the deploy settings.",
+                "Output tokens/s against vLLM target-only (vllm_ar) with that many requests in "
+                f"flight (closed loop, {bench['prompts']} prompts cycled). The served "
+                "configuration drafts only at the loads where it won: its batch-size schedule is "
+                "in the deploy settings.",
             ),
             ("table", ("contender", *(f"{c} in flight" for c in levels)), rows),
         ]
@@ -405,7 +407,8 @@ def _categories(bench: dict | None, sweep: dict | None) -> list[tuple]:
         ("h2", "Per-category tau and speedup"),
         (
             "p",
-            "Speedup per category = the method's tokens/s / ar's tokens/s on that category's prompts.",
+            "Speedup per category = the method's tokens/s / ar's tokens/s on that category's "
+            "prompts.",
         ),
     ]
     if not bench:
@@ -450,8 +453,9 @@ def _comparison(bench: dict) -> list[tuple]:
         ("h2", "Comparison with HF generate and HF prompt lookup"),
         (
             "p",
-            "Same prompts and sampling in one process, methods interleaved prompt by prompt; speedup is "
-            "relative to draftlab's KV-cached target-only loop (ar). greedy identical: output equals ar's.",
+            "Same prompts and sampling in one process, methods interleaved prompt by prompt; "
+            "speedup is relative to draftlab's KV-cached target-only loop (ar). greedy identical: "
+            "output equals ar's.",
         ),
         (
             "table",
@@ -486,7 +490,8 @@ def _acceptance(bench: dict) -> list[tuple]:
         ("h2", "Per-position acceptance"),
         (
             "p",
-            "Fraction of verify rounds that accepted at least this many draft tokens (mean over prompts).",
+            "Fraction of verify rounds that accepted at least this many draft tokens (mean over "
+            "prompts).",
         ),
         ("table", ("position", *acc), rows),
     ]
@@ -499,9 +504,10 @@ def _training(curve: dict, plots: Path) -> list[tuple]:
         (
             "p",
             f"Held-out evaluations of the run: simulated accept length of a K={curve.get('k')} "
-            f"chain, and its predicted speedup with this hardware's costs measured at the end "
-            f"(decode {_fmt(curve.get('decode_ms'))} ms, verify {_fmt(curve.get('verify_chain_ms'))} ms, "
-            f"draft {_fmt(curve.get('draft_ms'))} ms, context {curve.get('context')}).",
+            "chain, and its predicted speedup with this hardware's costs measured at the end "
+            f"(decode {_fmt(curve.get('decode_ms'))} ms, verify "
+            f"{_fmt(curve.get('verify_chain_ms'))} ms, draft {_fmt(curve.get('draft_ms'))} ms, "
+            f"context {curve.get('context')}).",
         ),
     ]
     if not evals:
@@ -549,13 +555,15 @@ def _profile(prof: dict, plots: Path) -> list[tuple]:
         ("h2", "Cost profile"),
         (
             "p",
-            f"One target forward of n new tokens over {prof.get('context')} cached tokens (the verify cost of an "
-            f"n-node tree), median of {prof.get('repeats')} repeats on {prof.get('device')}.",
+            f"One target forward of n new tokens over {prof.get('context')} cached tokens (the "
+            f"verify cost of an n-node tree), median of {prof.get('repeats')} repeats on "
+            f"{prof.get('device')}.",
         ),
         ("table", ("n", "t_target ms", "vs n=1", "ms per token"), rows),
         (
             "p",
-            "One drafting round of k tokens, ms, by drafter family and depth (untrained weights: cost only).",
+            "One drafting round of k tokens, ms, by drafter family and depth (untrained weights: "
+            "cost only).",
         ),
         ("table", ("family", "depth", *(f"k={k}" for k in ks)), drows),
         ("img", _profile_plot(prof, plots / "cost_profile.png"), "cost profile"),
@@ -563,7 +571,7 @@ def _profile(prof: dict, plots: Path) -> list[tuple]:
 
 
 def _profile_plot(prof: dict, path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 -- matplotlib: `draftlab --help` imports this module (cli)
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 -- the CLI imports this module
 
     plt, fig, (left, right) = figure(ncols=2)
     t = prof.get("target_forward_ms") or {}

@@ -68,7 +68,7 @@ def exists(path: str | Path) -> bool:
 def publish(local_dir: str | Path, dest: str, names: list[str] | None = None) -> str:
     """Copy `local_dir`'s files (only `names`, when given) to the URI `dest`; returns `dest`.
     Stored files of the same name are replaced; others are kept."""
-    from pyarrow.fs import LocalFileSystem, copy_files  # noqa: PLC0415 -- pyarrow: URIs only (module docstring)
+    from pyarrow.fs import LocalFileSystem, copy_files  # noqa: PLC0415 -- pyarrow: URIs only
 
     fs, root = _filesystem(dest)
     local_dir = Path(local_dir).resolve()
@@ -84,7 +84,7 @@ def publish(local_dir: str | Path, dest: str, names: list[str] | None = None) ->
 
 def mirror_dir(uri: str) -> Path:
     """The local cache directory that mirrors `uri` (under `$DRAFTLAB_CACHE/storage`)."""
-    from draftlab.models.presets import cache_dir  # noqa: PLC0415 -- models.presets imports torch (module docstring)
+    from draftlab.models.presets import cache_dir  # noqa: PLC0415 -- torch (module docstring)
 
     digest = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
     return cache_dir() / "storage" / f"{posixpath.basename(uri.rstrip('/'))}-{digest}"
@@ -95,7 +95,12 @@ def local_copy(path: str | Path) -> Path:
     mirror, brought up to date with what is stored at the URI now."""
     if not is_uri(path):
         return Path(path)
-    from pyarrow.fs import FileSelector, FileType, LocalFileSystem, copy_files  # noqa: PLC0415 -- pyarrow: URIs only (module docstring)
+    from pyarrow.fs import (  # noqa: PLC0415 -- pyarrow: URIs only (module docstring)
+        FileSelector,
+        FileType,
+        LocalFileSystem,
+        copy_files,
+    )
 
     uri = str(path)
     fs, root = _filesystem(uri)

@@ -1,7 +1,8 @@
-"""`draftlab submit` and `draftlab jobs`: Ray's job submission SDK with a runtime
+r"""`draftlab submit` and `draftlab jobs`: Ray's job submission SDK with a runtime
 environment built from this repo.
 
-    draftlab submit --address http://HEAD:8265 pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
+    draftlab submit --address http://HEAD:8265 \
+        pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml
     draftlab jobs list | logs ID [--follow] | status ID | stop ID
 
 The job runs `python <entrypoint> -c CONFIG [overrides]` in the uploaded repo (the
@@ -86,7 +87,7 @@ def runtime_env(
 
 
 def client(addr: str | None):
-    from ray.job_submission import JobSubmissionClient  # noqa: PLC0415 -- ray.job_submission (~1.5 s): see the module docstring
+    from ray.job_submission import JobSubmissionClient  # noqa: PLC0415 -- Ray (module docstring)
 
     url = address(addr)
     try:
@@ -144,12 +145,13 @@ def check_hub_access(target: TargetSpec, source: PromptSourceConfig | None = Non
         gated.append(f"data.source.path {source.gated_repo()!r}")
     if not gated:
         return
-    from huggingface_hub import get_token  # noqa: PLC0415 -- huggingface_hub (~50 ms): see the module docstring
+    from huggingface_hub import get_token  # noqa: PLC0415 -- huggingface_hub (module docstring)
 
     if not get_token():
         raise ConfigError(
-            f"{gated[0]} is a gated hub repo and no Hugging Face token is set: set HF_TOKEN to a token of an account "
-            f"that accepted its terms (on KubeRay: the secret draftlab-hf, see infra/README.md), or `gated: false`"
+            f"{gated[0]} is a gated hub repo and no Hugging Face token is set: set HF_TOKEN to a "
+            "token of an account that accepted its terms (on KubeRay: the secret draftlab-hf, see "
+            "infra/README.md), or `gated: false`"
         )
 
 

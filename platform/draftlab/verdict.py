@@ -1,8 +1,10 @@
 """The verdict of a bench with vLLM contenders: which served configuration to deploy, and with
 which batch-size schedule of draft tokens.
 
-    report["load"]    {method: {"1": {tokens_per_s, tau}, "4": ..., "16": ...}}   (bench.concurrency)
-    verdict(report)   {"served": method, "deploy": VllmServeArgs fields, "levels": [...], "reason": ...}
+    report["load"]    {method: {"1": {tokens_per_s, tau}, "4": ..., "16": ...}}
+                      (the levels: bench.concurrency)
+    verdict(report)   {"served": method, "deploy": VllmServeArgs fields, "levels": [...],
+                       "reason": ...}
 
 The served configuration is the contender with the most tokens/s one request at a time over
 all the bench's prompts (`vllm_ar` included: when target-only decoding wins, the verdict says
@@ -129,11 +131,15 @@ def verdict(report: dict, cfg) -> dict:
         )
     elif not served.startswith("vllm_draftlab"):
         reason = (
-            f"vLLM's own {served.removeprefix('vllm_')} drafting (untrained) was the fastest one request at a "
-            f"time ({one:.2f}x vllm_ar), faster than the trained drafter: it is deployed"
+            f"vLLM's own {served.removeprefix('vllm_')} drafting (untrained) was the fastest one "
+            f"request at a time ({one:.2f}x vllm_ar), faster than the trained drafter: it is "
+            "deployed"
         )
     else:
-        reason = f"the trained drafter ({served}) was the fastest one request at a time ({one:.2f}x vllm_ar)"
+        reason = (
+            f"the trained drafter ({served}) was the fastest one request at a time ({one:.2f}x "
+            "vllm_ar)"
+        )
     return {
         "served": served,
         "deploy": deploy,

@@ -65,7 +65,7 @@ _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 def require_vllm() -> str:
     """vLLM's version, or an ImportError that says how to install it."""
     try:
-        import vllm  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+        import vllm  # noqa: PLC0415 -- vLLM, optional
     except ImportError as e:
         raise ImportError(f"vLLM is not installed ({e}); {INSTALL_HINT}") from None
     return vllm.__version__
@@ -217,7 +217,7 @@ class VllmEngine:
 
     def __enter__(self) -> VllmEngine:
         require_vllm()
-        from vllm import LLM  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+        from vllm import LLM  # noqa: PLC0415 -- vLLM, optional
 
         # Defaults only: what the caller's environment sets wins (an explicit in_process wins).
         self._saved_env = {k: os.environ.get(k) for k in self.env}
@@ -234,10 +234,10 @@ class VllmEngine:
             self._restore()
             fraction = self.kwargs["gpu_memory_utilization"]
             raise DraftlabError(
-                f"vLLM did not start on {self.model_dir}: {e}\nIf its log above says the KV cache does not fit "
-                f"('KV cache is needed' / 'No available memory'), raise {self.memory_setting} (now {fraction}: "
-                "the share of the node's RAM for weights + KV cache; a float32 target or a drafter needs more) "
-                "or lower max_model_len."
+                f"vLLM did not start on {self.model_dir}: {e}\nIf its log above says the KV cache "
+                "does not fit ('KV cache is needed' / 'No available memory'), raise "
+                f"{self.memory_setting} (now {fraction}: the share of the node's RAM for weights + "
+                "KV cache; a float32 target or a drafter needs more) or lower max_model_len."
             ) from e
         except BaseException:
             self._restore()
@@ -289,7 +289,7 @@ class VllmEngine:
         """Decode prompts of token ids together (vLLM batches up to `max_num_seqs`): the new
         ids of each, in order, the stopping token included. Greedy at temperature 0; prompt
         i samples with `seeds[i]` (its output then depends on nothing else in the batch)."""
-        from vllm import TokensPrompt  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+        from vllm import TokensPrompt  # noqa: PLC0415 -- vLLM, optional
 
         self._check("generate_many")
         seeds = seeds if seeds is not None else [None] * len(prompts)
@@ -350,7 +350,7 @@ class VllmEngine:
         stop_token_ids: list[int] | None,
         extra_args: dict | None,
     ):
-        from vllm import SamplingParams  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+        from vllm import SamplingParams  # noqa: PLC0415 -- vLLM, optional
 
         return SamplingParams(
             max_tokens=max_new_tokens,
@@ -374,7 +374,7 @@ class VllmEngine:
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
                 # In-process, the worker's world-size-1 process group lives in this process
                 # and must go before the next engine initialises its own.
-                from vllm.distributed import parallel_state  # noqa: PLC0415 -- vLLM: an optional extra (module docstring)
+                from vllm.distributed import parallel_state  # noqa: PLC0415 -- vLLM, optional
 
                 parallel_state.destroy_model_parallel()
                 parallel_state.destroy_distributed_environment()

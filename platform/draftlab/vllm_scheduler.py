@@ -50,8 +50,10 @@ if (
 ):  # torch: imported by vLLM's engine core when it builds the scheduler, not by clients
     from draftlab.decoding.ngram import NgramIndex
 
-LOOKUP_KEY = "draftlab_lookup"  # additional_config: {"spec": NgramSpec fields | None, "draft_tokens": n, "schedule": ranges}
-REQUEST_K = "draftlab_k"  # SamplingParams.extra_args / vllm_xargs key: this request's most draft tokens a step
+# additional_config: {"spec": NgramSpec fields | None, "draft_tokens": n, "schedule": ranges}
+LOOKUP_KEY = "draftlab_lookup"
+# SamplingParams.extra_args / vllm_xargs key: this request's most draft tokens a step
+REQUEST_K = "draftlab_k"
 SCHEDULER = "draftlab.vllm_scheduler.DraftlabScheduler"
 
 
@@ -107,7 +109,7 @@ def builtin_config(
 def require_arctic() -> None:
     """An ImportError that says how to install Arctic Inference (vLLM's `suffix` drafting)."""
     try:
-        import arctic_inference.suffix_decoding  # noqa: F401, PLC0415 -- optional: vLLM's suffix drafting
+        import arctic_inference.suffix_decoding  # noqa: F401, PLC0415 -- optional extra
     except ImportError as e:
         raise ImportError(
             f"suffix decoding needs arctic-inference ({e}); PyPI has a source release only: "
@@ -156,8 +158,10 @@ def __getattr__(name: str):
 
 
 def _scheduler() -> type:
-    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415 -- vLLM: an optional extra, needed once vLLM resolves the scheduler
-    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup  # noqa: PLC0415 -- as above
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415 -- vLLM, optional
+    from vllm.v1.spec_decode.dynamic.utils import (  # noqa: PLC0415 -- as above
+        build_dynamic_sd_schedule_lookup,
+    )
 
     from draftlab.decoding.ngram import NgramIndex  # noqa: PLC0415 -- torch (TYPE_CHECKING above)
 

@@ -1,4 +1,5 @@
-"""Prompt sources and self-distillation data (draftlab.data: sources, generation, dataset, selfdistill).
+"""Prompt sources and self-distillation data (draftlab.data: sources, generation, dataset,
+selfdistill).
 
 Generation runs for real: Ray Data actors with the tiny target, 12 prompts in 3 shards.
 """

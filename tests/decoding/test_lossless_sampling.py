@@ -225,7 +225,8 @@ def test_speculative_sampling_matches_exact_target_distribution(
     )
     s = goodness_of_fit(samples, exact)
     print(
-        f"\n[{family} {tree} T={temperature} top_p={top_p}] {_fmt(s)} mean_accepted={mean_accepted:.3f}"
+        f"\n[{family} {tree} T={temperature} top_p={top_p}] {_fmt(s)} "
+        f"mean_accepted={mean_accepted:.3f}"
     )
     # The acceptance path must actually run (else this only re-tests the target sampler).
     assert mean_accepted > 0.1, (

@@ -1,4 +1,5 @@
-"""The lookup store: a corpus's most frequent continuations, consulted where the text has no match."""
+"""The lookup store: a corpus's most frequent continuations, consulted where the text has no
+match."""
 
 import pytest
 import torch

@@ -119,7 +119,13 @@ from draftlab.models.target import load_target
 root, plans = sys.argv[1], json.loads(sys.argv[2])
 target = load_target("tiny-llama")
 small = init_drafter("parallel", target, k=3, depth=2)
-wide = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64}
+wide = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "head_dim": 64,
+}
 cfg = small.cfg.model_copy(update={"decoder": {**small.cfg.decoder, **wide}})
 torch.manual_seed(0)
 drafter = drafter_class("parallel")(cfg, target).float().train()
@@ -136,7 +142,8 @@ ref_s = time.perf_counter() - t0
 ref_sizes = {}
 for d, _, files in os.walk(os.path.join(root, "reference")):
     for f in files:
-        ref_sizes[os.path.relpath(os.path.join(d, f), os.path.join(root, "reference"))] = os.path.getsize(os.path.join(d, f))
+        rel = os.path.relpath(os.path.join(d, f), os.path.join(root, "reference"))
+        ref_sizes[rel] = os.path.getsize(os.path.join(d, f))
 
 def reached(case, plan):
     if "frac_time" in plan:
@@ -146,7 +153,8 @@ def reached(case, plan):
             path = os.path.join(d, f)
             if path.endswith(plan["file"]):
                 try:
-                    if os.path.getsize(path) >= plan.get("frac_size", 0.0) * ref_sizes[plan["file"]]:
+                    want = plan.get("frac_size", 0.0) * ref_sizes[plan["file"]]
+                    if os.path.getsize(path) >= want:
                         return True
                 except OSError:
                     pass
@@ -214,7 +222,8 @@ def test_checkpoint_save_killed_at_any_point_is_never_loaded(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     print(
-        f"\nfull save of {sum(report['sizes'].values()) / 2**20:.0f} MB took {report['reference_s']:.2f} s"
+        f"\nfull save of {sum(report['sizes'].values()) / 2**20:.0f} MB took "
+        f"{report['reference_s']:.2f} s"
     )
     reference = tmp_path / "reference"
     verify_checkpoint(reference)
@@ -465,11 +474,12 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
     t_up = time.monotonic()
     summary = _finish(thread, box)
     print(
-        f"\noutage {t_up - t_down:.1f} s; checkpoints at steps {before['step']} (before), {ckpt['step']} "
-        f"(during, {len(held)} steps held back); node removed {t_lost - t_down:.1f} s into the outage after the "
-        f"checkpoint of step {latest['step']}, a new one added {t_added - t_lost:.1f} s later; the next "
-        f"checkpoint (step {after['step']}) {t_resumed - t_added:.1f} s after it came; run finished "
-        f"{time.monotonic() - t_up:.1f} s after the server returned"
+        f"\noutage {t_up - t_down:.1f} s; checkpoints at steps {before['step']} (before), "
+        f"{ckpt['step']} (during, {len(held)} steps held back); node removed {t_lost - t_down:.1f} "
+        f"s into the outage after the checkpoint of step {latest['step']}, a new one added "
+        f"{t_added - t_lost:.1f} s later; the next checkpoint (step {after['step']}) "
+        f"{t_resumed - t_added:.1f} s after it came; run finished {time.monotonic() - t_up:.1f} s "
+        "after the server returned"
     )
 
     assert t_up - t_down >= 25
@@ -522,7 +532,8 @@ def test_mlflow_outage_past_max_outage_s_fails_the_run_clearly(cluster, mlflow_s
     thread.join(150)
     failed_after = time.monotonic() - t_down
     print(
-        f"\nserver down; the run failed {failed_after:.1f} s later (limit 10 s, 2 worker restarts allowed)"
+        f"\nserver down; the run failed {failed_after:.1f} s later (limit 10 s, 2 worker restarts "
+        "allowed)"
     )
     assert not thread.is_alive(), "the run still trains long after the outage limit"
     err = box.get("error")

@@ -1,4 +1,5 @@
-"""`draftlab submit` / `draftlab jobs` (Ray's job submission SDK) against a real `ray start --head`."""
+"""`draftlab submit` / `draftlab jobs` (Ray's job submission SDK) against a real
+`ray start --head`."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def test_round_costs_and_shared_branch_rows():
     )
     # round 1 also carries on x's prefixes 3 and 3 4 (ranks 0, then 3): "2 3" was followed by
     # 4 1 (one more accepted, as the copy has), "3 4" by 1 2 (its prefix is not the drafter's
-    # likeliest); both pay their 2 rows, off the leading chain. Round 2: nothing follows "5 6" or "6"
+    # likeliest); both pay their 2 rows, off the leading chain. Round 2: nothing follows "5 6"
+    # or "6"
     assert (carried.rounds, carried.tokens) == (2, 4)
     assert carried.ms == run.ms + 4 * 3.0  # carried-on rows at their own (tree-row) price
     whole = replay(

@@ -30,7 +30,10 @@ def test_registry_lists_families():
     assert available_drafters() == ["autoregressive", "p-eagle", "parallel"]
     with pytest.raises(
         KeyError,
-        match=r"unknown drafter family 'medusa'; available: \['autoregressive', 'p-eagle', 'parallel'\]",
+        match=(
+            r"unknown drafter family 'medusa'; available: \['autoregressive', 'p-eagle', "
+            r"'parallel'\]"
+        ),
     ):
         init_drafter("medusa", load_target("tiny-llama"))
 

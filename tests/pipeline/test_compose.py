@@ -89,7 +89,8 @@ def test_one_pass_equals_the_standalone_loaders(path, tmp_path):
 
 
 def test_the_files_are_read_once(tmp_path):
-    """The stages' configs come from the load: the distill and Serve files may be gone by run time."""
+    """The stages' configs come from the load: the distill and Serve files may be gone by run
+    time."""
     for name in ("pipeline-tiny-quick.yaml", "pipeline-tiny-distill.yaml"):
         shutil.copy(ROOT / "jobs/configs" / name, tmp_path / name)
     (tmp_path / "serving").mkdir()

@@ -242,6 +242,7 @@ def test_fuzz_totals(request, capsys):
         capsys,
         "fuzz",
         f"schemathesis: {TOTALS['cases']} cases over {len(ops)} operations {ops}, "
-        f"{TOTALS['engine cases']} re-sent to the engine; failures: {TOTALS['failures']}; {statuses}",
+        f"{TOTALS['engine cases']} re-sent to the engine; failures: {TOTALS['failures']}; "
+        f"{statuses}",
     )
     assert TOTALS["failures"] == 0

@@ -383,5 +383,6 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
         "serve-faults",
         f"{how} during a {LONG_TOKENS}-token stream: the stream finished intact "
         f"({result['seconds']:.1f} s in all, {stopped:.1f} s after the stop began); {len(during)} "
-        f"requests sent meanwhile got {codes}, slowest {max(o.end - o.start for o in during):.2f} s",
+        f"requests sent meanwhile got {codes}, slowest {max(o.end - o.start for o in during):.2f} "
+        "s",
     )

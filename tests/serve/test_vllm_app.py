@@ -126,12 +126,14 @@ def test_prompt_lookups_are_merged_where_the_served_tree_grafts_them(target, tmp
         lookups,
     )  # the tree's depth and its lookups
     _, engine, _ = resolve_engine(args)
-    # copies of the tree's `tokens` that do not grow in vLLM (every step is sized for the longest chain)
+    # copies of the tree's `tokens` that do not grow in vLLM (every step is sized for the longest
+    # chain)
     assert engine["scheduler_cls"] == SCHEDULER and engine["additional_config"][LOOKUP_KEY] == {
         "spec": NgramSpec(tokens=3, grow_to=3).model_dump(),
         "draft_tokens": 2,
     }
-    # vLLM drafts as many tokens as the longer chain; the drafter's first 2 are kept where nothing matches
+    # vLLM drafts as many tokens as the longer chain; the drafter's first 2 are kept where
+    # nothing matches
     assert engine["speculative_config"]["num_speculative_tokens"] == 3
     assert (
         engine["speculative_config"]["draft_sample_method"] == "greedy"

@@ -110,9 +110,9 @@ def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, t
         raise box["error"]
     summary = box["summary"]
     print(
-        f"\ntrial killed after the checkpoint of step {killed_at}; Tune retried it {t_retry - t_kill:.1f} s "
-        f"later; its next checkpoint {t_resumed - t_kill:.1f} s after the kill; sweep done "
-        f"{time.monotonic() - t_kill:.1f} s after the kill"
+        f"\ntrial killed after the checkpoint of step {killed_at}; Tune retried it "
+        f"{t_retry - t_kill:.1f} s later; its next checkpoint {t_resumed - t_kill:.1f} s after the "
+        f"kill; sweep done {time.monotonic() - t_kill:.1f} s after the kill"
     )
 
     assert summary["trials_done"] == 1 and not summary["not_finished"]

@@ -124,8 +124,9 @@ class BenchConfig(StrictModel):
     `vllm_ar` whenever another `vllm_*` method is (vLLM target-only, for `speedup_vs_vllm_ar`
     and `vllm_greedy_identical`). `draftlab_chain_ngram` / `draftlab_tree_ngram` are the chain
     and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_suffix` is
-    Arctic's suffix decoding (needs arctic-inference). `vllm_*` need vLLM installed and are not in the default
-    because each engine's start-up costs ~20 s to minutes; `vllm_draftlab` exports the
+    Arctic's suffix decoding (needs arctic-inference). `vllm_*` need vLLM installed and are
+    not in the default because each engine's start-up costs ~20 s to minutes; `vllm_draftlab`
+    exports the
     drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`;
     `vllm_draftlab_ngram` runs it with `ngram`'s prompt lookups merged in (a copy from the
     text where it has a match, else the drafter's draft: `draftlab.vllm_scheduler`)."""
@@ -160,7 +161,8 @@ class BenchConfig(StrictModel):
     def _saved_and_distinct(cls, versus: list[str]) -> list[str]:
         if untrained := [v for v in versus if v.startswith("init:")]:
             raise ValueError(
-                f"{untrained[0]}: versus takes saved drafters (an init: drafter has no tree of its own)"
+                f"{untrained[0]}: versus takes saved drafters (an init: drafter has no tree of its "
+                "own)"
             )
         if len(set(versus)) < len(versus):
             raise ValueError(f"a drafter is named twice: {versus}")

@@ -95,8 +95,8 @@ class TrainConfig(StrictModel):
     """Also distil on prompt positions (the target's predictions there are as valid a
     teacher as on responses). Off, a step also leaves out the mask chains that would predict
     only prompt tokens: at equal minutes 1.42x the steps on the README pipeline's data and
-    1.27x on the long config's, and better held-out acceptance on both (docs/benchmarks.md, "What the
-    defaults rest on"). Evaluation stays on response tokens."""
+    1.27x on the long config's, and better held-out acceptance on both (docs/benchmarks.md,
+    "What the defaults rest on"). Evaluation stays on response tokens."""
     checkpoint_every: int = Field(100, ge=1)
     """Checkpoint (and flush metrics to MLflow) every N steps, and at the end."""
     eval_every: int = Field(200, ge=1)
@@ -165,8 +165,9 @@ class BenchSpec(StrictModel):
     """Time the costs, search the tree and bench it in a fresh Python process on the rank-0
     worker's node (`distill/end_stage.py`), not in the training worker itself: there, after
     training, a CPU's decode step measured 20-40% slower than in a fresh process, and the search
-    picked smaller trees than the served drafter deserves (docs/benchmarks.md). Without the bench (sweep trials) the training curve alone is priced in the
-    worker. False = in the worker (no second target load)."""
+    picked smaller trees than the served drafter deserves (docs/benchmarks.md). Without the
+    bench (sweep trials) the training curve alone is priced in the worker. False = in the
+    worker (no second target load)."""
     prompts: str | None = None
     """Prompt file or packaged set (`default`, `heldout`); None = `default`."""
     limit: int | None = Field(None, ge=1)

@@ -71,7 +71,8 @@ def dataset_meta(
         "target": target_spec.model_dump(mode="json"),
         "num_prompts": num_prompts,
         "shard_size": shard_size,
-        "reused_from": reused,  # {"key", "shards"}: shards copied from a cached data set of the same stream
+        # {"key", "shards"}: shards copied from a cached data set of the same stream
+        "reused_from": reused,
         "num_samples": ds.num_rows,
         "num_dropped_empty": num_prompts - ds.num_rows,
         "num_train": dsd["train"].num_rows,

@@ -199,7 +199,8 @@ class ShardGenerator:
 
     def __init__(self, target_spec: dict, data: dict, work_dir: str):
 
-        datasets.disable_progress_bars()  # per-shard "Saving the dataset" bars would flood the driver
+        # per-shard "Saving the dataset" bars would flood the driver
+        datasets.disable_progress_bars()
         self.data = DataConfig.model_validate(data)
         self.work_dir = Path(work_dir)
         self.target = load_target(TargetSpec.model_validate(target_spec))

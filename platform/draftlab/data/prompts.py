@@ -5,7 +5,8 @@ format, ending with a user turn), or Spec-Bench questions (`{"question_id": .., 
 (`datasets:<name or local file/dir>[:<split>]`, e.g. `datasets:./traffic.parquet:train`).
 Packaged sets: `default` (12 short prompts, 12 categories), `heldout` (long summaries and RAG
 contexts, translation, math, QA, multi-turn chat: prompts of other kinds and lengths than
-anything drafters are tuned on) and `mixed` (both, one prompt of each kind in turn: the pipeline's default traffic)."""
+anything drafters are tuned on) and `mixed` (both, one prompt of each kind in turn: the
+pipeline's default traffic)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def _parse(row: object, where: str) -> Prompt:
         text = turns[0]
     else:
         raise ValueError(
-            f"{where}: needs a 'prompt', chat 'messages' or Spec-Bench 'turns' (keys found: {sorted(row)})"
+            f"{where}: needs a 'prompt', chat 'messages' or Spec-Bench 'turns' (keys found: "
+            f"{sorted(row)})"
         )
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: the prompt text must be a non-empty string")
@@ -89,7 +91,8 @@ def available_prompt_sets() -> list[str]:
 
 
 def _from_datasets(source: str, limit: int | None) -> list[Prompt]:
-    """Prompts from a `datasets` source: `datasets:<name or path>[:<split>]` (default split: train)."""
+    """Prompts from a `datasets` source: `datasets:<name or path>[:<split>]` (default split:
+    train)."""
     import datasets  # noqa: PLC0415 -- heavy; only for this source
 
     spec = source.removeprefix(DATASETS)
@@ -112,7 +115,7 @@ def _from_datasets(source: str, limit: int | None) -> list[Prompt]:
             ds = datasets.load_from_disk(str(local))
         else:
             ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot read this source"
+    except Exception as e:  # noqa: BLE001 - any datasets error means "cannot read this source"
         raise ValueError(
             f"prompts {source!r}: cannot load it with datasets ({type(e).__name__}: {e})"
         ) from None

@@ -236,8 +236,8 @@ def load_or_generate(
 
     Columns: `input_ids` (prompt ids from `Target.encode_prompt`, then the response, EOS
     kept), `prompt_len`, `prompt`, and with `data.store_features` also `hidden` (T, F)
-    float16 (`generation.target_features`). `keep_shards=False` deletes the work dir once the dataset is saved (the shards
-    duplicate it on disk).
+    float16 (`generation.target_features`). `keep_shards=False` deletes the work dir once the
+    dataset is saved (the shards duplicate it on disk).
     """
     spec = generation_spec(target_spec, data.use_gpu)
     # The driver needs the fingerprint (cache key) and the tokenizer (prompt filters): both

@@ -4,8 +4,9 @@ the target itself (Magpie: sample from its chat template's bare user-turn header
 Both kinds go through the same filters (`reject_reason`) and deduplication, so a prompt set
 is clean whatever produced it. Both are deterministic streams (rows in order; magpie rounds
 seeded by their index), so the prompts for `num_prompts = n` are the first n of those for
-any larger count, and `collect_prompts` can resume a shorter list where it stopped. The junk filter is language-agnostic: it looks at Unicode
-categories, never at ASCII ranges, so Chinese, Cyrillic or Arabic prompts pass.
+any larger count, and `collect_prompts` can resume a shorter list where it stopped. The junk
+filter is language-agnostic: it looks at Unicode categories, never at ASCII ranges, so
+Chinese, Cyrillic or Arabic prompts pass.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def _open_dataset(cfg: PromptSourceConfig):
         )
     if path.is_file() and cfg.data_files is not None:
         raise ValueError(
-            f"{_describe(cfg)}: source.data_files picks files of a hub repo or directory, not of a file"
+            f"{_describe(cfg)}: source.data_files picks files of a hub repo or directory, not of a "
+            "file"
         )
     try:
         if builder is not None:

@@ -18,7 +18,8 @@ def keep_rows(cache: DynamicCache, start: int, keep: list[int]) -> None:
             continue
         if type(layer).__name__ != "DynamicLayer":
             raise NotImplementedError(
-                f"speculative rollback supports full-attention DynamicLayer caches, not {type(layer).__name__}"
+                "speculative rollback supports full-attention DynamicLayer caches, not "
+                f"{type(layer).__name__}"
             )
         if idx is None and keep != list(range(len(keep))):  # built once for every layer
             idx = torch.tensor(keep, device=layer.keys.device) + start

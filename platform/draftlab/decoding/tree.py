@@ -149,7 +149,8 @@ class Tree(Topology):
         for p in clean:
             if len(p) > 1 and p[:-1] not in seen:
                 raise TreeError(
-                    f"tree {name!r}: path {list(p)} has no parent {list(p[:-1])} (trees must be prefix-closed)"
+                    f"tree {name!r}: path {list(p)} has no parent {list(p[:-1])} (trees must be "
+                    "prefix-closed)"
                 )
         if max_depth is not None and max(len(p) for p in clean) > max_depth:
             deepest = max(clean, key=len)
@@ -242,7 +243,8 @@ class Tree(Topology):
             raise TreeError(f"tree {self.name!r}: per_round must be >= 1 (got {per_round})")
         if per_round is not None and self.is_chain:
             raise TreeError(
-                f"tree {self.name!r} is a chain: per_round would only cut its depth (use chain-{per_round})"
+                f"tree {self.name!r} is a chain: per_round would only cut its depth (use "
+                f"chain-{per_round})"
             )
         return dataclasses.replace(self, per_round=per_round)
 

@@ -33,8 +33,8 @@ def searched_tree_file(drafter_dir: str | Path, budget: int) -> Path:
     report_file = drafter_dir / "tree-search.json"
     if not report_file.is_file():
         raise FileNotFoundError(
-            f"tree 'searched-{budget}' needs {report_file} (written by `draftlab distill` with bench.tree=searched, "
-            f"or by `draftlab select-tree`)"
+            f"tree 'searched-{budget}' needs {report_file} (written by `draftlab distill` with "
+            "bench.tree=searched, or by `draftlab select-tree`)"
         )
     path = drafter_dir / f"tree-searched-{budget}.json"
     if not path.is_file():

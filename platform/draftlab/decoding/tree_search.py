@@ -33,7 +33,8 @@ def _check(acc: Acceptance) -> None:
         for r, a in enumerate(row):
             if not 0.0 <= a <= 1.0:
                 raise TreeError(
-                    f"acceptance rate at depth {d + 1}, rank {r} is {a}; expected a probability in [0, 1]"
+                    f"acceptance rate at depth {d + 1}, rank {r} is {a}; expected a probability in "
+                    "[0, 1]"
                 )
 
 

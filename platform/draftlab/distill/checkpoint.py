@@ -144,7 +144,8 @@ def verify_checkpoint(path: str | Path) -> None:
         )
     try:
         doc = json.loads(man.read_text())
-        # {"files": {name: {"bytes", "sha256"}}}; checkpoints before sizes were recorded: {name: sha256}
+        # {"files": {name: {"bytes", "sha256"}}}; checkpoints from before sizes were recorded:
+        # {name: sha256}
         expected = {
             f: (e if isinstance(e, dict) else {"sha256": e})
             for f, e in doc.get("files", doc).items()
@@ -162,7 +163,8 @@ def verify_checkpoint(path: str | Path) -> None:
         size = file.stat().st_size
         if "bytes" in want and size != want["bytes"]:
             raise CheckpointError(
-                f"checkpoint {path}: {f} is truncated or padded ({size} bytes, manifest says {want['bytes']})"
+                f"checkpoint {path}: {f} is truncated or padded ({size} bytes, manifest says "
+                f"{want['bytes']})"
             )
         if _sha256(file) != want.get("sha256"):
             raise CheckpointError(

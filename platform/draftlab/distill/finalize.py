@@ -213,6 +213,7 @@ def run_fresh(
         )
         if proc.returncode != 0:
             raise RuntimeError(
-                f"the end stage's process failed (exit {proc.returncode}):\n{proc.stderr[-END_STAGE_TAIL:]}"
+                "the end stage's process failed (exit "
+                f"{proc.returncode}):\n{proc.stderr[-END_STAGE_TAIL:]}"
             )
         return json.loads(result.read_text())

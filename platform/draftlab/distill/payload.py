@@ -1,7 +1,9 @@
 """What the driver hands every Ray Train worker of a distillation (`WorkerPayload`).
 
-    driver  (launch.build_trainer):   TorchTrainer(train_loop_config=WorkerPayload(...).model_dump())
-    worker  (worker.train_fn_per_worker): WorkerPayload.model_validate(config)
+    driver (launch.build_trainer):
+        TorchTrainer(train_loop_config=WorkerPayload(...).model_dump())
+    worker (worker.train_fn_per_worker):
+        WorkerPayload.model_validate(config)
 
 Ray Train passes `train_loop_config` to each worker as a plain dict (it is pickled and may be
 merged with Tune's), so the model travels dumped and is validated again on the worker side.

@@ -195,7 +195,8 @@ class DistillRecipe:
         while (item := self.step()) is not None:
             if state.step % cfg.eval_every == 0 and len(self.evalset):
                 self.evaluate()
-            self.tracker.poll()  # step complete: during an MLflow outage, retry delivery now and then
+            # step complete: during an MLflow outage, retry delivery now and then
+            self.tracker.poll()
             self.elapsed = all_ranks_max(self._clock(), self.device)
             self.stopped = self.elapsed >= self.budget_s
             if state.step % cfg.checkpoint_every == 0 and not self.stopped:
@@ -304,7 +305,8 @@ class DistillRecipe:
         ):  # the run's progress line: Ray Train's worker log, forwarded to the driver's console
             budget = f" of {self.budget_s / 60:.0f}" if math.isfinite(self.budget_s) else ""
             log.info(
-                "%s: step %d, %.1f%s min, %.2f M tokens: held-out sim. accept len %.3f, agreement %s",
+                "%s: step %d, %.1f%s min, %.2f M tokens: held-out sim. accept len %.3f, agreement "
+                "%s",
                 self.cfg.name,
                 state.step,
                 minutes,

@@ -94,7 +94,7 @@ def _import_built(where: Path):
 def _build(where: Path):
     """Build into a fresh directory beside `where` and rename it into place; the caller holds
     the build lock, so leftovers of builds killed half-way are removed first."""
-    from torch.utils import cpp_extension  # noqa: PLC0415 -- pulls in setuptools (~0.2 s); only a kernel build needs it
+    from torch.utils import cpp_extension  # noqa: PLC0415 -- setuptools: kernel builds only
 
     _find_ninja()
     for stale in where.parent.glob(f"{where.name}.tmp-*"):

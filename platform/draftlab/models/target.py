@@ -188,8 +188,9 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise DraftlabError(
-            "device 'cuda' requested, but this torch sees no CUDA device (torch.cuda.is_available() "
-            "is False): use --device cpu or auto, or install a CUDA build of torch"
+            "device 'cuda' requested, but this torch sees no CUDA device "
+            "(torch.cuda.is_available() is False): use --device cpu or auto, or install a CUDA "
+            "build of torch"
         )
     return torch.device(device)
 
@@ -325,8 +326,8 @@ def load_target(spec: TargetSpec | str) -> Target:
                 )
             except OSError as e:
                 raise OSError(
-                    f"could not load target {name!r} (not a preset, local dir or reachable hub id). "
-                    f"Presets: {available_presets()}. Cause: {e}"
+                    f"could not load target {name!r} (not a preset, local dir or reachable hub "
+                    f"id). Presets: {available_presets()}. Cause: {e}"
                 ) from None
     return assemble_target(name, model, tokenizer, device, dtype, spec.attention)
 

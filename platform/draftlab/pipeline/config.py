@@ -57,7 +57,8 @@ class CompareStage(StrictModel):
     """vLLM contenders (`vllm_suffix` is left out, and the stage says so, when arctic-inference
     is not installed); our `ar` runs beside them as the exact reference."""
     each_k: bool = True
-    """With vLLM: also measure the drafter at every k below its draft length (`vllm_draftlab@k<n>`)."""
+    """With vLLM: also measure the drafter at every k below its draft length
+    (`vllm_draftlab@k<n>`)."""
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
     """With vLLM: load levels (requests in flight) each contender is measured at; the served
     configuration drafts only at the levels where it beat vLLM target-only."""
@@ -124,7 +125,7 @@ class PipelineConfig(StrictModel):
     @field_validator("prompts")
     @classmethod
     def _readable(cls, v: str) -> str:
-        from draftlab.data.prompts import load_prompts  # noqa: PLC0415 -- datasets, for a `datasets:` source
+        from draftlab.data.prompts import load_prompts  # noqa: PLC0415 -- `datasets:` sources
 
         try:  # here, not after the training stages: a bad path fails before anything runs
             load_prompts(v, limit=1)

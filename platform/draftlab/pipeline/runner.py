@@ -195,7 +195,8 @@ class PipelineRun:
         if stages.serving(self, {"app": app}):
             if self.progress:
                 console.print(
-                    f"taking down the endpoint {app!r} of the earlier run (redeployed at the serve stage)"
+                    f"taking down the endpoint {app!r} of the earlier run (redeployed at the serve "
+                    "stage)"
                 )
             serve.delete(app)
         record.unlink()
@@ -282,8 +283,8 @@ def connect_cluster(log_file: Path, progress: bool = True) -> dict:
                 raise
             if progress:
                 print(
-                    f"no Ray cluster on this machine: starting one (`ray start --head`, output in {log_file}; "
-                    "`ray stop` ends it)",
+                    "no Ray cluster on this machine: starting one (`ray start --head`, output in "
+                    f"{log_file}; `ray stop` ends it)",
                     flush=True,
                 )
             ray_bin = Path(sys.executable).with_name("ray")
@@ -328,8 +329,9 @@ def float32_note(target: TargetSpec) -> str | None:
     ):
         return None
     return (
-        f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the stages that "
-        "generate data and bench take several times longer than the budgets here were measured at with a "
+        f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the "
+        "stages that generate data and bench take several times longer than the budgets here were "
+        "measured at with a "
         'bf16 target (docs/benchmarks.md, "The pipeline end to end")'
     )
 
@@ -403,8 +405,8 @@ def format_summary(s: dict) -> str:
     lines += [
         f"champion: {c['model']} version {c['version']} @{c['alias']} (from the {c['source']}): "
         f"{c['family']} drafter K={c['k']} depth={c['depth']} tree={c['tree']}",
-        f"  measured in {cmp.get('engine', 'draftlab')} on {cmp['prompts']} prompts ({cmp['device']}): "
-        f"{cmp['method']} tau {cmp['tau']:.2f}, "
+        f"  measured in {cmp.get('engine', 'draftlab')} on {cmp['prompts']} prompts "
+        f"({cmp['device']}): {cmp['method']} tau {cmp['tau']:.2f}, "
         + ", ".join(
             f"{k.replace('_', ' ')} {v:.2f}x"
             for k, v in cmp.items()
@@ -414,9 +416,9 @@ def format_summary(s: dict) -> str:
         *_verdict_lines(cmp),
         f"endpoint: {ep['url']} (model {ep['model']!r})",
         "  " + example_curl(ep["url"].removesuffix("/v1"), ep["model"], False),
-        "  python: from openai import OpenAI; "
-        f"c = OpenAI(base_url={ep['url']!r}, api_key='none'); "
-        f"print(c.chat.completions.create(model={ep['model']!r}, messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)",
+        f"  python: from openai import OpenAI; c = OpenAI(base_url={ep['url']!r}, api_key='none'); "
+        f"print(c.chat.completions.create(model={ep['model']!r}, messages=[{{'role': 'user', "
+        "'content': 'Hi'}]).choices[0].message.content)",
         f"smoke request: {s['smoke']['latency_s']} s -> {s['smoke']['text'][:80]!r}",
         f"MLflow: run {s['mlflow_run_id']} in experiment {s['experiment']}; UI: "
         + (

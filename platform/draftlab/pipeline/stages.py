@@ -84,8 +84,8 @@ def sweep(run: PipelineRun) -> dict:
     best = summary.get("best")
     if not best:
         raise StageFailed(
-            f"sweep {p.sweep.name}: no trial finished ({summary['trials_stopped']} stopped or failed); "
-            f"see {exp_dir}"
+            f"sweep {p.sweep.name}: no trial finished ({summary['trials_stopped']} stopped or "
+            f"failed); see {exp_dir}"
         )
     local = run.dir / "sweep"
     shutil.rmtree(local, ignore_errors=True)

@@ -171,7 +171,8 @@ _ERRORS = {
         (413, "Body over `max_body_bytes`"),
         (
             503,
-            "No engine replica could take the request now (lost, draining, overloaded): retry after `Retry-After` s",
+            "No engine replica could take the request now (lost, draining, overloaded): retry "
+            "after `Retry-After` s",
         ),
     ]
 }
@@ -257,7 +258,8 @@ class Ingress:
             raise
         except TimeoutError:
             raise unavailable(
-                f"no engine replica took the request within {self.args.queue_timeout_s:g} s: retry later",
+                f"no engine replica took the request within {self.args.queue_timeout_s:g} s: retry "
+                "later",
                 self.args.retry_after_s,
                 "queue_timeout",
             ) from None

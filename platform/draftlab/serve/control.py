@@ -94,8 +94,8 @@ def connect(start_local: bool) -> bool:
     except ConnectionError:
         if address or not start_local:
             raise ConfigError(
-                f"no Ray cluster at {address or 'this machine'}: start one (`ray start --head`) or run "
-                "`draftlab serve` without --status/--shutdown"
+                f"no Ray cluster at {address or 'this machine'}: start one (`ray start --head`) or "
+                "run `draftlab serve` without --status/--shutdown"
             ) from None
     ray.init(include_dashboard=False)
     return True
@@ -106,7 +106,7 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     `blocking` None = stay in the foreground only if this process started the cluster."""
     from ray import serve  # noqa: PLC0415 -- Ray: see the module docstring
 
-    from draftlab.serve.vllm_app import VllmServeArgs  # noqa: PLC0415 -- it imports Ray Serve: see the module docstring
+    from draftlab.serve.vllm_app import VllmServeArgs  # noqa: PLC0415 -- Ray Serve
 
     vllm = isinstance(spec["args"], VllmServeArgs)  # Ray Serve LLM's app: no `info` method
     if spec["args"].drafter is None and not (
@@ -144,7 +144,8 @@ def deploy(spec: dict, blocking: bool | None = None, progress: bool = True) -> d
     if blocking if blocking is not None else owns:
         if progress:
             print(
-                "serving in the foreground: Ctrl-C stops it (`draftlab serve --status` from another shell)"
+                "serving in the foreground: Ctrl-C stops it (`draftlab serve --status` from "
+                "another shell)"
             )
         _wait_for_interrupt()
         serve.shutdown()

@@ -221,7 +221,7 @@ class DraftEngine:
         speculation: str | None,
         internal: bool = False,
     ):
-        from draftlab.serve.scheduler import ShuttingDown  # noqa: PLC0415 -- torch: the engine replica only (module docstring)
+        from draftlab.serve.scheduler import ShuttingDown  # noqa: PLC0415 -- torch
 
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -272,7 +272,8 @@ class DraftEngine:
         if s.num_active:  # busy: real requests are the probe
             if time.monotonic() - s.last_step > HEALTH_STALL_S:
                 raise RuntimeError(
-                    f"no decoding round finished for {HEALTH_STALL_S:.0f} s with {s.num_active} active"
+                    f"no decoding round finished for {HEALTH_STALL_S:.0f} s with {s.num_active} "
+                    "active"
                 )
             return
         # idle: one speculative round end to end (prefill, draft, verify) on a 1-token prompt

@@ -155,7 +155,8 @@ async def _level(
                 done = [o for o in outcomes if o.end_s >= t0 + rss[-1][0] - cfg.window_s]
                 print(
                     f"  {rss[-1][0]:.0f} s: {len(done)} requests in the last window, "
-                    f"{sum(not o.ok for o in done)} errors, replica RSS {sum(rss[-1][1].values()):.0f} MiB",
+                    f"{sum(not o.ok for o in done)} errors, replica RSS "
+                    f"{sum(rss[-1][1].values()):.0f} MiB",
                     flush=True,
                 )
 
@@ -220,7 +221,8 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict:
         "drafted": sum(s["drafted"] for s in specs),  # draft tokens the target verified
         "mean_completion_tokens": tokens / len(ok) if ok else 0.0,
         "error_samples": sorted({o.error for o in outcomes if not o.ok})[:3],
-        # per prompt kind: each request's own output tokens/s (completion tokens / latency), averaged
+        # per prompt kind: each request's own output tokens/s (completion tokens / latency),
+        # averaged
         "by_kind": {
             kind: {
                 "requests": len(rows),
@@ -298,8 +300,9 @@ def format_row(r: dict) -> str:
 
     return (
         f"c={r['concurrency']:<3} spec={r['speculation']:<6} req/s {s(r['requests_per_s'])}  tok/s "
-        f"{s(r['output_tokens_per_s'])}  ttft p50/p95 {s(r['ttft_p50_s'])}/{s(r['ttft_p95_s'])} s  latency "
-        f"p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  errors {r['errors']}"
+        f"{s(r['output_tokens_per_s'])}  ttft p50/p95 {s(r['ttft_p50_s'])}/{s(r['ttft_p95_s'])} s  "
+        f"latency p50/p95 {s(r['latency_p50_s'])}/{s(r['latency_p95_s'])} s  tau {s(r['tau'])}  "
+        f"errors {r['errors']}"
         + (
             "\n      per request tok/s by kind: "
             + ", ".join(f"{k} {v['request_tokens_per_s']:.1f}" for k, v in r["by_kind"].items())

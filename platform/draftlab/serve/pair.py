@@ -59,7 +59,7 @@ def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
 def model_version(args: ServeArgs):
     """The registered version `args` names (no download): (uri, tracking uri, version).
     Raises ConfigError naming the URI and the store when it does not exist."""
-    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the module docstring
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow (module docstring)
 
     uri = args.model_uri or default_model_uri(args)
     name, alias, version = _parse_models_uri(uri)
@@ -108,7 +108,7 @@ def resolve_pair(args: ServeArgs) -> Pair:
     if args.drafter is not None:  # a URI (s3://...) is served from its local mirror
         local = str(local_copy(args.drafter)) if is_uri(args.drafter) else args.drafter
         return Pair(args.target, local, {"drafter": args.drafter})
-    from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow: see the module docstring
+    from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow (module docstring)
 
     uri, tracking, mv = model_version(args)
     local = cached_drafter(MlflowClient(tracking_uri=tracking), mv.run_id)

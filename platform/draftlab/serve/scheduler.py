@@ -7,9 +7,9 @@
 Every request owns a `Session` (its own target and drafter caches); the shared forward
 gives each row exactly the keys of its own request (`Target.forward_many`), so batching
 never mixes state and outputs equal target-only decoding. `_speculate()` applies the
-speculation policy (`EngineSpec.speculation`, `serve/policy.py`) per request and round: under load the rows
-of every request's tree add up, and plain steps (one row each) can beat drafting; a
-request switches freely without changing its output (see `Session.step`).
+speculation policy (`EngineSpec.speculation`, `serve/policy.py`) per request and round:
+under load the rows of every request's tree add up, and plain steps (one row each) can beat
+drafting; a request switches freely without changing its output (see `Session.step`).
 
 Events put on a ticket's queue (via `publish`, on the caller's event loop; `serve/events.py`):
     Delta(text, tokens)                     text committed since the last event

@@ -1,8 +1,10 @@
 """The champion drafter served by vLLM through Ray Serve LLM (`ray.serve.llm`), CPU or GPU.
 
-    serving/X-vllm.yaml:  import_path: draftlab.serve.vllm_app:build_vllm_app   args: {VllmServeArgs}
+    serving/X-vllm.yaml:
+        import_path: draftlab.serve.vllm_app:build_vllm_app   args: {VllmServeArgs}
     build_vllm_app(VllmServeArgs) -> Application
-        = Ingress (Ray's OpenAI ingress + draftlab's API keys) -> LLMServer (vLLM AsyncLLM, autoscaled)
+        = Ingress (Ray's OpenAI ingress + draftlab's API keys)
+          -> LLMServer (vLLM AsyncLLM, autoscaled)
 
 The application is Ray's `build_openai_app`: vLLM's own OpenAI server code answers
 /v1/models, /v1/completions and /v1/chat/completions (streaming, errors as OpenAI JSON).
@@ -132,8 +134,8 @@ class VllmServeArgs(ServingCommon):
     enforce_eager: bool = False
     """Skip torch.compile and CUDA graphs: starts much faster, decodes slower."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Other vLLM engine arguments (`AsyncEngineArgs`, e.g. `max_num_seqs`, `enable_prefix_caching`),
-    passed through. Keys set by the fields above are refused."""
+    """Other vLLM engine arguments (`AsyncEngineArgs`, e.g. `max_num_seqs`,
+    `enable_prefix_caching`), passed through. Keys set by the fields above are refused."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment of each replica and its vLLM processes (e.g. `VLLM_CPU_OMP_THREADS_BIND`,
     `HF_TOKEN` for a gated hub target is better given by the cluster)."""
@@ -166,8 +168,8 @@ class VllmServeArgs(ServingCommon):
                 or any(nxt[0] <= prev[1] for prev, nxt in itertools.pairwise(ranges))
             ):
                 raise ValueError(
-                    f"schedule {self.schedule}: [first, last, k] ranges must start at batch size 1, "
-                    "not overlap, have first <= last and k >= 0"
+                    f"schedule {self.schedule}: [first, last, k] ranges must start at batch size "
+                    "1, not overlap, have first <= last and k >= 0"
                 )
         if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
             raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
@@ -175,7 +177,8 @@ class VllmServeArgs(ServingCommon):
             types = sorted(v for k, v in vars(known).items() if k.isupper() and isinstance(v, str))
             if self.accelerator_type not in types:
                 raise ValueError(
-                    f"accelerator_type {self.accelerator_type!r} is not one of Ray's: {', '.join(types)}"
+                    f"accelerator_type {self.accelerator_type!r} is not one of Ray's: "
+                    f"{', '.join(types)}"
                 )
         return self
 
@@ -214,7 +217,8 @@ def vllm_drafter(
     """(a directory in vLLM's EAGLE-3 layout, tokens drafted per step, prompt lookups to merge
     in or None) for a drafter: a saved `p-eagle` drafter (exported), an export or other EAGLE-3
     checkpoint (as it is), or `init:<family>`."""
-    from draftlab.export import export_vllm, served_draft_length, served_lookups  # noqa: PLC0415 -- torch: the LLMServer replica only (module docstring)
+    # torch: the LLMServer replica only (module docstring)
+    from draftlab.export import export_vllm, served_draft_length, served_lookups  # noqa: PLC0415
 
     path = Path(drafter)
     if drafter.startswith("init:"):  # untrained (tests): build it against the target, save, export
@@ -230,7 +234,8 @@ def vllm_drafter(
     if _vllm_layout(path):
         if args.num_speculative_tokens is None:
             raise ConfigError(
-                f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set num_speculative_tokens"
+                f"drafter {drafter} is in vLLM's layout (no draftlab `k`): set "
+                "num_speculative_tokens"
             )
         return str(path), args.num_speculative_tokens, _lookups(args, None)
     k, lookups = (
@@ -247,12 +252,17 @@ def vllm_drafter(
 def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
     """(target for vLLM, the engine kwargs of its speculative decoding ({} = target only),
     where the drafter came from)."""
-    from draftlab.export import vllm_speculative_config, vllm_target_dir  # noqa: PLC0415 -- torch: the LLMServer replica only (module docstring)
+    # torch: the LLMServer replica only (module docstring)
+    from draftlab.export import vllm_speculative_config, vllm_target_dir  # noqa: PLC0415
 
     if args.speculation == "off":
         return vllm_target_dir(args.target), {}, {"speculation": "off"}
     # torch: the LLMServer replica only (module docstring)
-    from draftlab.vllm_scheduler import builtin_config, engine_kwargs, with_schedule  # noqa: PLC0415
+    from draftlab.vllm_scheduler import (  # noqa: PLC0415
+        builtin_config,
+        engine_kwargs,
+        with_schedule,
+    )
 
     if args.method != "drafter":  # vLLM's own drafting: nothing to resolve
         spec = builtin_config(
@@ -304,7 +314,7 @@ class ChampionCallback(CallbackBase):
 
 def llm_config(args: VllmServeArgs):
     """The `ray.serve.llm.LLMConfig` of `args` (the drafter is filled in on the replica)."""
-    from ray.serve.llm import LLMConfig  # noqa: PLC0415 -- ray.serve.llm imports vLLM (module docstring)
+    from ray.serve.llm import LLMConfig  # noqa: PLC0415 -- imports vLLM (module docstring)
 
     gpu = args.accelerator == "gpu"
     bundle = {"GPU": 1, "CPU": args.num_cpus} if gpu else {"CPU": args.num_cpus}
@@ -345,11 +355,13 @@ def llm_config(args: VllmServeArgs):
 
 
 def build_vllm_app(args: VllmServeArgs) -> Application:
-    """The application `serving/*-vllm.yaml` name (`import_path: draftlab.serve.vllm_app:build_vllm_app`)."""
-    from ray.serve.llm import build_openai_app  # noqa: PLC0415 -- ray.serve.llm imports vLLM (module docstring)
+    """The application `serving/*-vllm.yaml` name (`import_path:
+    draftlab.serve.vllm_app:build_vllm_app`)."""
+    from ray.serve.llm import build_openai_app  # noqa: PLC0415 -- imports vLLM (module docstring)
 
     ingress = {
-        "ingress_cls": "draftlab.serve.vllm_ingress:Ingress",  # Ray's, + API keys, OpenAI error shape
+        # Ray's, + API keys, OpenAI error shape
+        "ingress_cls": "draftlab.serve.vllm_ingress:Ingress",
         "ingress_extra_kwargs": {
             "auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True)
         },

@@ -3,8 +3,9 @@
 Every route of Ray's `OpenAiIngress` first checks `Authorization: Bearer <key>` exactly as the
 draftlab app does (`draftlab.serve.app.authorize`: same keys, same fail-closed rule, same 401
 body), then runs Ray's route. FastAPI validates a route's body before calling it, so a body
-that does not parse is a 400 even without a key (the draftlab app reads bodies itself: 401). Ray answers an unknown model with FastAPI's `{"detail": ...}`;
-here it is OpenAI's error JSON (404 `model_not_found`, param `model`), like the draftlab app.
+that does not parse is a 400 even without a key (the draftlab app reads bodies itself: 401).
+Ray answers an unknown model with FastAPI's `{"detail": ...}`; here it is OpenAI's error JSON
+(404 `model_not_found`, param `model`), like the draftlab app.
 Importing this module imports vLLM (through `ray.serve.llm`): only the builder and the
 ingress replica do.
 """
@@ -26,8 +27,9 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def _checked(route):
-    """Ray's `route(self, body, request)` behind the key check, its HTTP errors in OpenAI's shape
-    (FastAPI reads the signature through `__wrapped__`: the body model and its validation stay Ray's)."""
+    """Ray's `route(self, body, request)` behind the key check, its HTTP errors in OpenAI's
+    shape (FastAPI reads the signature through `__wrapped__`: the body model and its
+    validation stay Ray's)."""
 
     @functools.wraps(route)
     async def checked(self, body, request: Request):

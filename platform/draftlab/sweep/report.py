@@ -46,7 +46,7 @@ def pareto_front(rows: list[dict]) -> list[dict]:
 
 def figure(ncols: int = 1):
     """(pyplot, figure, axes): one 6x4 in panel per column, for files only (Agg)."""
-    import matplotlib  # noqa: PLC0415 -- matplotlib: `draftlab --help` imports this module (cli -> report)
+    import matplotlib  # noqa: PLC0415 -- `draftlab --help` imports this module
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt  # noqa: PLC0415 -- after `use("Agg")`

@@ -227,8 +227,8 @@ def resume_sweep(exp_dir: str | Path, progress: bool = True) -> dict:
     state_file = exp_dir / STATE_FILE
     if not state_file.is_file():
         raise ConfigError(
-            f"--resume {exp_dir}: no {STATE_FILE} here; pass the directory `draftlab sweep` printed "
-            f"(<storage_path>/sweeps/<name>)"
+            f"--resume {exp_dir}: no {STATE_FILE} here; pass the directory `draftlab sweep` "
+            "printed (<storage_path>/sweeps/<name>)"
         )
     state = json.loads(state_file.read_text())
     sweep = SweepConfig.model_validate(state["sweep"])

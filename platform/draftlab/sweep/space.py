@@ -58,7 +58,8 @@ class AshaSpec(StrictModel):
     reduction_factor: float = Field(3.0, gt=1.0)
     """Keep the top 1/reduction_factor at each rung."""
     max_t: int = Field(100, ge=1)
-    """Most evaluations a training reports (rungs sit at grace_period x reduction_factor^i < max_t)."""
+    """Most evaluations a training reports (rungs sit at grace_period x reduction_factor^i <
+    max_t)."""
 
 
 def is_chain_name(tree: str) -> bool:
@@ -76,7 +77,8 @@ class SweepConfig(StrictModel):
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Dotted DistillConfig fields fixed for every trial (e.g. a shorter time budget)."""
     space: dict[str, list[Scalar] | dict[str, list[float]]] = Field(default_factory=dict)
-    """Dotted DistillConfig fields -> a list of values, or {uniform|loguniform|randint: [lo, hi]}."""
+    """Dotted DistillConfig fields -> a list of values, or {uniform|loguniform|randint: [lo,
+    hi]}."""
     trees: list[str] = Field(default_factory=lambda: ["chain"], min_length=1)
     """Tree shapes evaluated for every trained drafter: `chain` (the drafter's K),
     `chain-<k>`, a preset name, or `searched-<n>` (the best n-node tree from the drafter's
@@ -123,8 +125,9 @@ class SweepConfig(StrictModel):
         for key in space:
             if key.split(".")[0] in FIXED_SECTIONS:
                 raise ValueError(
-                    f"space.{key}: trials share one target, dataset and tracking setup; "
-                    f"sweep over drafter.*, train.* or scaling.* fields (set the others in the base or overrides)"
+                    f"space.{key}: trials share one target, dataset and tracking setup; sweep over "
+                    "drafter.*, train.* or scaling.* fields (set the others in the base or "
+                    "overrides)"
                 )
         return space
 
@@ -134,8 +137,8 @@ class SweepConfig(StrictModel):
             bad = [t for t in self.trees if not is_chain_name(t)]
             if bad:
                 raise ValueError(
-                    f"trees {bad}: objective vllm measures chains only (vLLM verifies no static trees "
-                    f"and grafts no lookups); use chain or chain-<k>"
+                    f"trees {bad}: objective vllm measures chains only (vLLM verifies no static "
+                    "trees and grafts no lookups); use chain or chain-<k>"
                 )
         return self
 
@@ -147,9 +150,9 @@ class SweepConfig(StrictModel):
             shape, per_round = split_per_round(split_ngram(t)[0])
             if not is_chain_name(shape) and searched_budget(shape) is None and shape not in presets:
                 raise ValueError(
-                    f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, {', '.join(presets)}; "
-                    f"each may end in @n to verify n of its nodes per round, then {NGRAM} to graft "
-                    f"prompt lookups)"
+                    f"unknown tree {t!r} (allowed: chain, chain-<k>, searched-<n>, "
+                    f"{', '.join(presets)}; each may end in @n to verify n of its nodes per round, "
+                    f"then {NGRAM} to graft prompt lookups)"
                 )
             if per_round is not None and (per_round < 1 or is_chain_name(shape)):
                 raise ValueError(f"tree {t!r}: @n needs n >= 1 and a tree that is not a chain")
@@ -183,7 +186,8 @@ def sweep_base(sweep: SweepConfig, base_doc: dict, base_file: Path, where: str) 
         ranged = [k for k, d in sweep.space.items() if isinstance(d, dict)]
         if ranged:
             raise ConfigError(
-                f"{where}: space.{ranged[0]}: grid search needs a list of values (ranges need random or optuna)"
+                f"{where}: space.{ranged[0]}: grid search needs a list of values (ranges need "
+                "random or optuna)"
             )
     for key, dim in sweep.space.items():
         for value in dim if isinstance(dim, list) else next(iter(dim.values())):
@@ -225,7 +229,7 @@ def training_key(cfg: DistillConfig) -> str:
 
 def param_space(sweep: SweepConfig) -> dict:
     """Ray Tune's `param_space`: the training dimensions plus the tree dimension."""
-    from ray import tune  # noqa: PLC0415 -- Ray Tune (~2 s): sweep files validate without it (the pipeline's compose, `draftlab generate`)
+    from ray import tune  # noqa: PLC0415 -- Ray Tune: sweep files validate without it
 
     def dimension(dim):
         if isinstance(dim, list):

@@ -114,7 +114,7 @@ def mlflow_client(tracking_uri: str | None = None):
     """(resolved tracking URI, `MlflowClient`) for a one-off query (`runs`, `promote`, serving
     a registered champion): a server that does not answer raises `TrackingUnavailable` at
     once instead of after MLflow's minutes of retries."""
-    from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow: see the package docstring
+    from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow (package docstring)
 
     uri = resolve_tracking_uri(tracking_uri)
     if is_http(uri) and not server_reachable(uri, timeout=5.0):
@@ -134,7 +134,7 @@ class _Deadline(Exception):
 
 def is_transient(exc: BaseException) -> bool:
     """Retrying may help: a refused / timed-out / overrun call, or a non-permanent MLflow error."""
-    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow (package docstring)
 
     if isinstance(exc, _Deadline):
         return True

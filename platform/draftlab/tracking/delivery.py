@@ -163,7 +163,7 @@ class MetricDelivery:
     def _send(self, run_id: str, deadline: float) -> None:
         """One delivery attempt of the whole buffer before `deadline` (monotonic); raises on
         failure, keeping what was not delivered."""
-        from mlflow.entities import Metric  # noqa: PLC0415 -- mlflow: see the package docstring
+        from mlflow.entities import Metric  # noqa: PLC0415 -- mlflow (package docstring)
 
         probe(self.tracking_uri, max(0.1, min(5.0, deadline - time.monotonic())))
         self._resolve_resume(run_id, deadline)
@@ -237,11 +237,11 @@ class MetricDelivery:
     def _check_outage(self) -> None:
         if self.outage_seconds > self.max_outage_s:
             raise TrackingUnavailable(
-                f"MLflow at {self.tracking_uri} has been unreachable for {self.outage_seconds:.0f} s, "
-                f"longer than tracking.max_outage_s = {self.max_outage_s:g} s: failing the run rather than "
-                f"training on untracked. {len(self._buffer)} metric values were not delivered; the latest "
-                f"checkpoint keeps those up to its step, and a resumed run sends them. "
-                f"Last error: {self._last_error}"
+                f"MLflow at {self.tracking_uri} has been unreachable for {self.outage_seconds:.0f} "
+                f"s, longer than tracking.max_outage_s = {self.max_outage_s:g} s: failing the run "
+                f"rather than training on untracked. {len(self._buffer)} metric values were not "
+                "delivered; the latest checkpoint keeps those up to its step, and a resumed run "
+                f"sends them. Last error: {self._last_error}"
             )
 
     def await_backend(self) -> None:

@@ -28,7 +28,7 @@ def promote(
     `registered_model` defaults to the name the run's distillation registered under, else
     `draftlab-<target>-drafter` from the run's `draftlab.target` tag.
     """
-    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow (package docstring)
 
     uri, client = mlflow_client(tracking_uri)
     try:

@@ -7,8 +7,8 @@ and artifacts; its metrics go through the `MetricDelivery` it composes (delivery
     tracker.start_or_resume("distill-smollm2-k4", tags={"draftlab.job": "distill"})
     tracker.log_params(cfg.model_dump())
     tracker.buffer_metrics({"loss": loss}, step)        # every step, in memory
-    tracker.try_flush()                                 # before a checkpoint: never waits out an outage
-    save(..., tracking=tracker.snapshot())              # what MLflow has not got yet rides in the checkpoint
+    tracker.try_flush()                                 # before a checkpoint: never waits
+    save(..., tracking=tracker.snapshot())              # what MLflow lacks rides in the checkpoint
     tracker.end("FINISHED")
 """
 
@@ -105,7 +105,7 @@ class Tracker:
     @property
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow: see the package docstring
+            from mlflow import MlflowClient  # noqa: PLC0415 -- mlflow (package docstring)
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
@@ -118,7 +118,7 @@ class Tracker:
     def _ensure_experiment(self) -> str:
         if self.experiment_id is not None:
             return self.experiment_id
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow (package docstring)
 
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is None:
@@ -207,7 +207,7 @@ class Tracker:
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
-        from mlflow.entities import RunTag  # noqa: PLC0415 -- mlflow: see the package docstring
+        from mlflow.entities import RunTag  # noqa: PLC0415 -- mlflow (package docstring)
 
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
@@ -223,7 +223,7 @@ class Tracker:
         """
         if not self.enabled:
             return
-        from mlflow.entities import Param  # noqa: PLC0415 -- mlflow: see the package docstring
+        from mlflow.entities import Param  # noqa: PLC0415 -- mlflow (package docstring)
 
         run_id = self._require_run()
         flat = prepare_params(params)
@@ -352,7 +352,7 @@ class Tracker:
             return False
         if is_http(self.tracking_uri) and not server_reachable(self.tracking_uri, timeout=5.0):
             raise TrackingUnavailable(f"MLflow at {self.tracking_uri} does not answer")
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow (package docstring)
 
         try:
             self.client.get_run(self.run_id)
@@ -383,7 +383,7 @@ class Tracker:
         """Register `runs:/<run_id>/<artifact_path>` as a new version of `name`; returns it."""
         if not self.enabled:
             return ""
-        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow: see the package docstring
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 -- mlflow (package docstring)
 
         run_id = self._require_run()
         try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftlab.models.drafters import autoregressive, p_eagle, parallel  # noqa: F401  (registers them)
+from draftlab.models.drafters import autoregressive, p_eagle, parallel  # noqa: F401 (registration)
 from draftlab.models.drafters.network import DrafterConfig, DrafterNet, decoder_config
 from draftlab.models.drafters.registry import drafter_class
 from draftlab.models.target import Target
@@ -70,7 +70,8 @@ def load_drafter(path: str | Path, target: Target) -> DrafterNet:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"{weights}: weights do not match the config (missing={missing}, unexpected={unexpected})"
+            f"{weights}: weights do not match the config (missing={missing}, "
+            f"unexpected={unexpected})"
         )
     model.refresh_head()
     return model.to(target.dtype).eval()

@@ -34,7 +34,8 @@ def register_drafter(name: str, family: Family | None = None) -> Callable[[type]
     facts = family or _FAMILIES.get(name)
     if facts is None:
         raise ValueError(
-            f"drafter family {name!r} is new: declare it with register_drafter({name!r}, Family(...))"
+            f"drafter family {name!r} is new: declare it with register_drafter({name!r}, "
+            "Family(...))"
         )
 
     def deco(cls: type) -> type:
