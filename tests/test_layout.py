@@ -1,5 +1,6 @@
 """The layout: the source root `platform/` never shadows the stdlib module of the same name,
-and the package's modules import each other without loops."""
+the package's modules import each other without loops, and the repository is formatted and
+linted (ruff)."""
 
 import ast
 import subprocess
@@ -108,8 +109,22 @@ def test_configs_and_the_drafter_registry_import_without_torch():
     # a leaf: checking a job file must not load torch or transformers (nor, through them, a
     # family module)
     code = (
-        "import sys, draftlab.config; assert not {'torch', 'transformers'} & set(sys.modules), "
-        "'heavy'"
+        "import sys, draftlab.config; "
+        "assert not {'torch', 'transformers'} & set(sys.modules), 'heavy'"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _ruff() -> list[str]:
+    """The ruff of the interpreter running the tests: its venv's `ruff` script, else the module."""
+    script = Path(sys.executable).with_name("ruff")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "ruff"]
+
+
+def test_ruff_format_and_check_are_clean():
+    # the settings are pyproject.toml's [tool.ruff]; `ruff format .` and `ruff check --fix .`
+    # fix most of what this reports
+    for args in (["format", "--check", "."], ["check", "."]):
+        out = subprocess.run([*_ruff(), *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout}{out.stderr}"
