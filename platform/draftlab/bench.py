@@ -614,7 +614,7 @@ def _run_vllm(
                 for extra in engine["methods"].values():
                     run(ids, extra)
             # and every prompt once, all in flight: an engine's first steps of each new shape run
-            # slower (a cold first prompt measured up to 2x slower), whichever method comes first
+            # slower (a cold first prompt runs much slower), whichever method comes first
             bar.set_postfix_str(f"{name}: warm-up")
             llm.generate_closed_loop(
                 [ids for _, ids in encoded],

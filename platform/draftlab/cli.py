@@ -174,7 +174,7 @@ def _serve(a: argparse.Namespace) -> None:
 
 
 def _loadtest(a: argparse.Namespace) -> None:
-    from draftlab.serve.loadtest import run_loadtest  # noqa: PLC0415 -- httpx (~70 ms)
+    from draftlab.serve.loadtest import run_loadtest  # noqa: PLC0415 -- httpx
 
     cfg = LoadtestConfig(
         url=a.url,

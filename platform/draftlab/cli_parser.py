@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list of {', '.join(METHODS)} (the default); "
         "draftlab_chain_ngram, draftlab_tree_ngram (prompt-lookup drafts grafted onto the "
         "chain/tree); vLLM's vllm_ar, vllm_ngram, vllm_suffix (needs arctic-inference), "
-        "vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in ~20 s "
-        "to minutes)",
+        "vllm_draftlab, vllm_draftlab_ngram (not in the default: each vLLM engine starts in tens "
+        "of seconds to minutes)",
     )
     b.add_argument(
         "--ngram-tokens",

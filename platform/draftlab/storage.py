@@ -10,8 +10,9 @@ Writers build a directory locally and `publish` it. Readers call `local_copy`: t
 torch and safetensors read local files, so a URI is mirrored into a cache directory (kept
 per URI, refreshed file by file when the stored size or modification time changes).
 
-pyarrow (~0.1 s) is imported for URIs only, and `models.presets` (torch) for a mirror's
-directory only: `draftlab --help` imports this module (cli; serve.control -> serve.pair).
+pyarrow (a tenth of a second to import) is imported for URIs only, and `models.presets`
+(torch) for a mirror's directory only: `draftlab --help` imports this module (cli;
+serve.control -> serve.pair).
 """
 
 from __future__ import annotations

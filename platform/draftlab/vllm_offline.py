@@ -37,17 +37,18 @@ INSTALL_HINT = (
 
 # Environment defaults for vLLM's CPU backend, applied only while an engine lives (a value
 # already in the environment wins). vLLM reads them when the engine starts and its spawned
-# processes inherit them. Measured and left at vLLM's defaults (SmolLM2-135M, 2 cores, eager):
+# processes inherit them. Tried on a small CPU (2 cores, eager) and left at vLLM's defaults:
 # - VLLM_CPU_OMP_THREADS_BIND: "auto" binds the worker to 1 core and keeps the other for the
-#   engine core process (24.5 tok/s target-only); "0-1" gives the worker both: 15 tok/s.
-# - LD_PRELOAD=libiomp5.so (which vLLM's spec-decoding warning asks for): 23.2 vs 28.0 tok/s
-#   with ngram, 23.5 vs 24.5 target-only; slower here, so not preloaded. Debian's tcmalloc
-#   (libtcmalloc-minimal4, the other library its warning names): `vllm_draftlab` 1.23x
-#   `vllm_ar` against 1.21x without, within run-to-run noise; not preloaded either.
+#   engine core process; "0-1" gives the worker both, and one request at a time runs much
+#   slower (the engine core starves).
+# - LD_PRELOAD=libiomp5.so (which vLLM's spec-decoding warning asks for): slower here, with
+#   ngram and target-only alike, so not preloaded. Debian's tcmalloc (libtcmalloc-minimal4,
+#   the other library its warning names): no difference beyond run-to-run noise; not
+#   preloaded either.
 # - VLLM_CPU_KVCACHE_SPACE (GiB) would override `memory_fraction`; unset.
 # - VLLM_CPU_NUM_OF_RESERVED_CPU (`reserved_cpus`): 0 gives the worker every core. For one
-#   request at a time that starves the engine core (as "0-1" above); for 128 requests at a
-#   time it is what pays: 1026 tok/s against 618 with the default (HF generate: 545 at 64).
+#   request at a time that starves the engine core (as "0-1" above); for many requests at a
+#   time (data generation) it is what pays, well above the default's throughput.
 CPU_ENV_DEFAULTS = {
     # Our speculative counters are read from the Prometheus registry, not the log; vLLM's
     # default 10 s "SpecDecoding metrics" log lines only clutter the bench's output.
@@ -161,9 +162,9 @@ class VllmEngine:
     fraction of the NUMA node's RAM reserved for weights + KV cache, and start-up fails when
     less is free (vLLM's default 0.92 would starve everything else here). `in_process`
     runs vLLM's engine core and worker inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
-    a tiny model starts in ~2 s instead of ~10-40 s, but without vLLM's core binding: for
-    tests, not timings); None keeps the environment's choice (vLLM's default: processes).
-    `max_num_seqs` caps the requests decoded together (None = vLLM's default);
+    a tiny model starts in seconds instead of tens of seconds, but without vLLM's core
+    binding: for tests, not timings); None keeps the environment's choice (vLLM's default:
+    processes). `max_num_seqs` caps the requests decoded together (None = vLLM's default);
     `reserved_cpus` is how many cores the CPU backend keeps off its worker (None = vLLM's
     default, 1: right for one request at a time, 0 for batches, see `CPU_ENV_DEFAULTS`).
     `memory_setting` names the caller's setting behind `memory_fraction` in the error a

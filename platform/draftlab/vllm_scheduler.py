@@ -29,9 +29,9 @@ request's text has a match for its last `min_match`..`max_match` tokens, the `to
 that followed it, else the drafter's first `draft_tokens` tokens. Copies do not grow here
 (`grow_to` is our engine's): vLLM sizes every step for `num_speculative_tokens`, the longest
 chain either source may propose, and its drafter drafts that many tokens a step whichever
-chain is verified: on a 2-core CPU a step took 1.31x a target-only step with room for
-16-token copies and 1.16x with room for 5, and the longer copies did not make up for it
-(docs/guides/vllm.md).
+chain is verified: room for long copies makes every step dearer, and on CPU the longer
+copies did not make up for it (docs/benchmarks.md#what-the-defaults-rest-on,
+docs/guides/vllm.md).
 
 Which tokens are drafted never changes what is generated: vLLM verifies every draft token
 against the target (greedy: exact match; sampling: its rejection sampler, lossless for a

@@ -18,9 +18,10 @@ class VllmBenchSpec(StrictModel):
 
     memory_fraction: float = Field(0.3, gt=0.0, le=0.95)
     """vLLM's `gpu_memory_utilization`; on the CPU backend the fraction of the NUMA node's RAM
-    reserved for weights + KV cache (start-up fails when less is free). 0.2 of a 10 GiB node
-    left SmolLM2-135M in float32 (CPUs without bf16 support) with its drafter 0.04 GiB of KV
-    cache where 2048 tokens need 0.09 GiB, and vLLM refused to start."""
+    reserved for weights + KV cache (start-up fails when less is free). Too small a share
+    leaves less KV cache than `max_model_len` tokens need, and vLLM refuses to start; a
+    float32 target (CPUs without bf16 support) with its drafter needs a larger share than a
+    bf16 one."""
     enforce_eager: bool = True
     """Skip vLLM's torch.compile warm-up: each engine starts much sooner (vLLM 0.29's
     compile cache fails to reload with torch 2.13, so every compiled start compiles) and
@@ -125,11 +126,11 @@ class BenchConfig(StrictModel):
     and `vllm_greedy_identical`). `draftlab_chain_ngram` / `draftlab_tree_ngram` are the chain
     and the tree with prompt-lookup drafts grafted on each round (`ngram`). `vllm_suffix` is
     Arctic's suffix decoding (needs arctic-inference). `vllm_*` need vLLM installed and are
-    not in the default because each engine's start-up costs ~20 s to minutes; `vllm_draftlab`
-    exports the
-    drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with `parallel_drafting`;
-    `vllm_draftlab_ngram` runs it with `ngram`'s prompt lookups merged in (a copy from the
-    text where it has a match, else the drafter's draft: `draftlab.vllm_scheduler`)."""
+    not in the default because each engine's start-up costs tens of seconds to minutes;
+    `vllm_draftlab` exports the drafter (a `p-eagle` one) to vLLM's EAGLE-3 layout with
+    `parallel_drafting`; `vllm_draftlab_ngram` runs it with `ngram`'s prompt lookups merged in
+    (a copy from the text where it has a match, else the drafter's draft:
+    `draftlab.vllm_scheduler`)."""
     prompt_lookup_tokens: int = Field(10, ge=1)
     """`prompt_lookup_num_tokens` for transformers' prompt-lookup decoding."""
     ngram: NgramSpec = Field(default_factory=NgramSpec)

@@ -62,8 +62,8 @@ class TrainConfig(StrictModel):
     length_window: int = Field(64, ge=0)
     """Length-grouped batches: each run of this many batches' rows of an epoch's shuffle is
     sorted by length and cut into batches, which are then shuffled, so rows of like length
-    share a batch and little of a step is padding (random batches of the long config's data
-    were 16% padding nodes; grouped, 2%). 0 = plain shuffled batches."""
+    share a batch and little of a step is padding (random batches of responses of varied
+    lengths spend a good share of every step on padding nodes). 0 = plain shuffled batches."""
     lr: float = Field(1e-3, gt=0.0)
     """Peak AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -94,9 +94,9 @@ class TrainConfig(StrictModel):
     loss_on_prompt: bool = False
     """Also distil on prompt positions (the target's predictions there are as valid a
     teacher as on responses). Off, a step also leaves out the mask chains that would predict
-    only prompt tokens: at equal minutes 1.42x the steps on the README pipeline's data and
-    1.27x on the long config's, and better held-out acceptance on both (docs/benchmarks.md,
-    "What the defaults rest on"). Evaluation stays on response tokens."""
+    only prompt tokens: at equal minutes that is more steps, and it reached better held-out
+    acceptance (docs/benchmarks.md#what-the-defaults-rest-on). Evaluation stays on response
+    tokens."""
     checkpoint_every: int = Field(100, ge=1)
     """Checkpoint (and flush metrics to MLflow) every N steps, and at the end."""
     eval_every: int = Field(200, ge=1)
@@ -164,8 +164,9 @@ class BenchSpec(StrictModel):
     fresh_process: bool = True
     """Time the costs, search the tree and bench it in a fresh Python process on the rank-0
     worker's node (`distill/end_stage.py`), not in the training worker itself: there, after
-    training, a CPU's decode step measured 20-40% slower than in a fresh process, and the search
-    picked smaller trees than the served drafter deserves (docs/benchmarks.md). Without the
+    training, a CPU's decode step times markedly slower than in a fresh process, and the search
+    picks smaller trees than the served drafter deserves
+    (docs/benchmarks.md#what-the-defaults-rest-on). Without the
     bench (sweep trials) the training curve alone is priced in the worker. False = in the
     worker (no second target load)."""
     prompts: str | None = None

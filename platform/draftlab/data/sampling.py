@@ -1,8 +1,8 @@
 """Fast sampling for batched HF `generate` on CPU (magpie prompts, sampled responses).
 
 HF's sampling path runs `torch.multinomial` over the whole vocabulary and its top-p warper
-sorts the whole vocabulary, for every row and step: at batch 64 and 49k tokens that costs
-~90 and ~150 ms per step on 2 CPU cores, more than the model's own step. `TopKTopPSampler`
+sorts the whole vocabulary, for every row and step: at a batch of 64 and a 49k vocabulary
+each costs more on a small CPU than the model's own step. `TopKTopPSampler`
 is a logits processor for the *greedy* loop instead: it draws the token itself from the
 standard temperature -> top-k -> top-p distribution (HF's warper order), working on the
 top-k slice only, and returns scores whose argmax is the drawn token.

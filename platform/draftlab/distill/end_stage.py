@@ -5,7 +5,7 @@
 
 The child loads the target and the saved drafter as users load them, prices the training
 curve, and (bench on) chooses, benches and saves the tree (`finalize.curve_and_tree`). Costs timed
-in the training worker after training ran 20-40% high on CPUs; a fresh process times what
+in the training worker after training ran markedly high on CPUs; a fresh process times what
 `draftlab select-tree` and serving see.
 """
 

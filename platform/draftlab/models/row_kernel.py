@@ -1,13 +1,14 @@
 """The CPU row attention kernel (`kernels/row_attention.cpp`): build once, load, call.
 
 Row-exact attention (`attention.row_exact_attention`) runs every verified row as its own
-batch entry of SDPA's flash kernel, on one thread: ~35 us per row and layer, so each row a
-tree or a prompt lookup adds to a verify block costs ~1 ms of SmolLM2-135M's ~22 ms step.
-This kernel computes each row alone by construction (see the .cpp), reading the cache in
-place and using both cores: ~9 us a row at 320 keys, the decoding step included.
+batch entry of SDPA's flash kernel, on one thread, so each row a tree or a prompt lookup
+adds to a verify block costs a noticeable share of a decoding step. This kernel computes
+each row alone by construction (see the .cpp), reading the cache in place and spread over
+torch's threads: several times cheaper a row, the decoding step included
+(docs/benchmarks.md#verify-cost-on-cpus).
 
 It is compiled with the C++ compiler torch's extensions use (`torch.utils.cpp_extension`,
-ninja) the first time a process needs it (~20 s), into `$DRAFTLAB_CACHE/kernels/<digest>`
+ninja) the first time a process needs it (tens of seconds), into `$DRAFTLAB_CACHE/kernels/<digest>`
 keyed by the source, torch's version and this CPU's flags, so later processes load it in
 milliseconds. Where it cannot be built (no compiler), `load()` returns None once with a
 warning and row-exact attention keeps SDPA's kernel: both are row-exact, and one process

@@ -202,8 +202,7 @@ def cpu_has_amx_bf16() -> bool:
 
 def cpu_has_fast_bf16() -> bool:
     """AMX, or AVX512-BF16 (e.g. AMD Zen 4 EPYC): bf16 matmuls of 1-16 rows cost about the
-    same there, and 3-10x less than fp32's (measured on a 2-core EPYC: LM head 2.3 ms vs 7.7
-    ms for one row, 15-27 ms for 2-16 rows)."""
+    same there, and several times less than fp32's."""
     return cpu_has_amx_bf16() or bool(
         getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     )
@@ -231,13 +230,12 @@ def rows_invariant_linears(model: nn.Module) -> None:
 def weight_major_linears(model: nn.Module) -> None:
     """Make every Linear compute 2+ rows as (W @ x^T)^T; one row stays a GEMV.
 
-    In float32 on a CPU (measured on a 2-core AVX2 EPYC, torch 2.13's MKL), `x @ W^T` with a
-    few rows against a wide weight is 2-3x slower than the same product taken as `W @ x^T`:
-    SmolLM2's LM head (49152 x 576) costs 24 ms for 2-8 rows against 7 ms, a 4-row verify
-    block of the whole target 164 ms against 98 ms, while a decoding step (one row) costs
-    90-100 ms either way. So a speculative round's verify costs about one decoding step, not
-    1.6-1.8 of them. (Rows match `x @ W^T`'s to float32 precision, not bit for bit; float32
-    rows already differ in the last bits between 1-3 and 4+ rows.)"""
+    In float32 on a CPU (torch's MKL), `x @ W^T` with a few rows against a wide weight (an LM
+    head) is several times slower than the same product taken as `W @ x^T`, while a decoding
+    step (one row) costs the same either way. Taken weight-major, a speculative round's
+    verify block costs about one decoding step, not nearly two
+    (docs/benchmarks.md#verify-cost-on-cpus). (Rows match `x @ W^T`'s to float32 precision,
+    not bit for bit; float32 rows already differ in the last bits between 1-3 and 4+ rows.)"""
     _wrap_linears(model, "_draftlab_weight_major", _weight_major_forward)
 
 

@@ -331,8 +331,7 @@ def float32_note(target: TargetSpec) -> str | None:
     return (
         f"note: this CPU has neither AMX nor AVX512-BF16, so {target.name} runs in float32: the "
         "stages that generate data and bench take several times longer than the budgets here were "
-        "measured at with a "
-        'bf16 target (docs/benchmarks.md, "The pipeline end to end")'
+        "measured at with a bf16 target (docs/benchmarks.md#the-pipeline-end-to-end)"
     )
 
 

@@ -8,7 +8,7 @@
     registry.py  the registered model of a target's drafters and `promote`
     listing.py   recent runs for `draftlab runs`
 
-`mlflow` is imported inside functions: `import mlflow` costs ~1.2 s and nothing here
+`mlflow` is imported inside functions: `import mlflow` takes about a second and nothing here
 should run (or slow down `draftlab --help`) at import time.
 """
 
