@@ -182,6 +182,7 @@ def _loadtest(a: argparse.Namespace) -> None:
         api_key=a.api_key,
         concurrency=a.concurrency,
         requests=a.requests,
+        rounds=a.rounds,
         speculation=a.speculation,
         prompts=a.prompts,
         max_tokens=a.max_tokens,

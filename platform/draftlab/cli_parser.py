@@ -518,6 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests per level and mode (default max(prompts, 2 x C))",
     )
     lt.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="timed rounds per level, the modes taking turns (A B, B A, ...); pooled per mode",
+    )
+    lt.add_argument(
         "--speculation",
         type=_csv,
         default="server",

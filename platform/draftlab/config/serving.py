@@ -158,6 +158,11 @@ class LoadtestConfig(StrictModel):
     )
     """Modes compared level by level in one run: `server` = its policy; `on`/`off` force
     drafting per request (draftlab's `speculation` extension field)."""
+    rounds: int = Field(2, ge=1)
+    """Each level's requests per mode are sent in this many timed rounds, the modes' order
+    reversed every other round (server, off, off, server): on a machine whose speed drifts
+    (shared CPUs, thermal limits) the modes are still compared like with like. Rounds are
+    pooled per mode. A soak (`duration_s`) runs each mode once."""
     prompts: str | None = None
     """JSONL prompt file or packaged set (`default`, `heldout`), cycled; None = `default`."""
     max_tokens: int = Field(128, ge=1)

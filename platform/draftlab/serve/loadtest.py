@@ -1,9 +1,10 @@
 """`draftlab loadtest`: a closed-loop load generator for an OpenAI-compatible endpoint.
 
 After an untimed warm-up of every speculation mode (`warmup`), for each concurrency level C
-(and each speculation mode, run back to back so modes are compared on the same machine
-state), C clients each send a chat completion, wait for it to finish and send the next, until
-the level's request count is done. Reported per level:
+and each speculation mode, C clients each send a chat completion, wait for it to finish and
+send the next, until the level's request count is done. The modes of a level take turns in
+`rounds` rounds (A B, B A, ...), so a machine whose speed drifts weighs on each alike; each
+mode's rounds are pooled. Reported per level and mode:
 requests/s, output tokens/s, p50/p95 time to first token and latency, tau (tokens per
 target forward, from the `usage.speculative` the server returns), draft tokens verified and
 errors.
@@ -21,6 +22,7 @@ import itertools
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,21 +123,31 @@ def replica_rss_mb() -> dict[str, float]:
     return out
 
 
-async def _level(
+@dataclass
+class _Timed:
+    """One timed run of requests at one concurrency in one mode."""
+
+    outcomes: list[Outcome]
+    wall_s: float
+    soak: dict | None = None  # duration_s runs: replica memory and the per-window timeline
+
+
+async def _timed(
     client,
     cfg: LoadtestConfig,
     model: str,
-    chats: list[Prompt],
+    prompts: Iterator[Prompt],
     concurrency: int,
     mode: str,
+    n: int | None,
     progress: bool = False,
-) -> dict:
-    n = cfg.requests or max(len(chats), 2 * concurrency)
-    todo = iter(range(n)) if cfg.duration_s is None else itertools.count()
-    prompts = itertools.cycle(chats)
+) -> _Timed:
+    """`concurrency` clients send the next of `prompts` as soon as their last request ends:
+    `n` requests in all, or for `cfg.duration_s` when `n` is None (a soak)."""
+    todo = iter(range(n)) if n is not None else itertools.count()
     outcomes: list[Outcome] = []
     t0 = time.perf_counter()
-    deadline = t0 + cfg.duration_s if cfg.duration_s else float("inf")
+    deadline = t0 + cfg.duration_s if n is None else float("inf")
     rss: list[tuple[float, dict[str, float]]] = [(0.0, replica_rss_mb())]
 
     async def worker():
@@ -160,18 +172,52 @@ async def _level(
                     flush=True,
                 )
 
-    sampler = asyncio.create_task(sample_memory()) if cfg.duration_s else None
+    sampler = asyncio.create_task(sample_memory()) if n is None else None
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    out = summarise(outcomes, wall) | {"concurrency": concurrency, "speculation": mode}
-    if sampler:
-        sampler.cancel()
-        rss.append((wall, replica_rss_mb()))
-        out |= {
-            "rss_mb_start": rss[0][1],
-            "rss_mb_end": rss[-1][1],
-            "timeline": timeline(outcomes, t0, cfg.window_s, rss),
+    if sampler is None:
+        return _Timed(outcomes, wall)
+    sampler.cancel()
+    rss.append((wall, replica_rss_mb()))
+    soak = {
+        "rss_mb_start": rss[0][1],
+        "rss_mb_end": rss[-1][1],
+        "timeline": timeline(outcomes, t0, cfg.window_s, rss),
+    }
+    return _Timed(outcomes, wall, soak)
+
+
+async def _levels(
+    client, cfg: LoadtestConfig, model: str, chats: list[Prompt], concurrency: int, progress: bool
+) -> list[dict]:
+    """Every mode at one concurrency level: `cfg.rounds` timed rounds, the modes' order
+    reversed every other round (A B, B A, ...), each mode's rounds pooled into its figures."""
+    if cfg.duration_s is not None:  # a soak: one run per mode, for its duration
+        runs = {
+            m: [
+                await _timed(
+                    client, cfg, model, itertools.cycle(chats), concurrency, m, None, progress
+                )
+            ]
+            for m in cfg.speculation
         }
+    else:
+        n = cfg.requests or max(len(chats), 2 * concurrency)
+        shares = [n // cfg.rounds + (i < n % cfg.rounds) for i in range(cfg.rounds)]
+        prompts = {m: itertools.cycle(chats) for m in cfg.speculation}  # each mode: every prompt
+        runs = {m: [] for m in cfg.speculation}
+        for i, share in enumerate(s for s in shares if s):
+            for m in cfg.speculation if i % 2 == 0 else cfg.speculation[::-1]:
+                runs[m].append(await _timed(client, cfg, model, prompts[m], concurrency, m, share))
+    out = []
+    for m, timed in runs.items():
+        outcomes = [o for t in timed for o in t.outcomes]
+        row = summarise(outcomes, sum(t.wall_s for t in timed))
+        out.append(
+            row
+            | {"concurrency": concurrency, "speculation": m, "rounds": len(timed)}
+            | (timed[0].soak or {})
+        )
     return out
 
 
@@ -257,18 +303,18 @@ async def _run(cfg: LoadtestConfig, progress: bool) -> dict:
             model = r.json()["data"][0]["id"]
         warm = min(len(chats), 16) if cfg.warmup is None else cfg.warmup
         for mode in cfg.speculation if warm else ():
-            await _level(
+            await _timed(
                 client,
-                cfg.model_copy(update={"requests": warm, "duration_s": None}),
+                cfg,
                 model,
-                chats,
+                itertools.cycle(chats),
                 min(max(cfg.concurrency), warm),
                 mode,
+                warm,
             )
         levels = []
         for c in cfg.concurrency:
-            for mode in cfg.speculation:
-                res = await _level(client, cfg, model, chats, c, mode, progress)
+            for res in await _levels(client, cfg, model, chats, c, progress):
                 levels.append(res)
                 if progress:
                     print(format_row(res), flush=True)
