@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
 
 import distill_support
+from draftlab.models import row_kernel
 from draftlab.models.target import load_target
 from mlflow_server import MlflowServer, mlflow_server_fixture
+
+# One build of the CPU row attention kernel for the whole session, also for the modules that
+# point DRAFTLAB_CACHE at a directory of their own (their data, S3 mirrors): a build takes up
+# to a minute on 2 cores. Set before any Ray instance starts, so its workers inherit it.
+os.environ.setdefault("DRAFTLAB_KERNEL_CACHE", str(row_kernel.kernels_dir()))
 
 
 def _services() -> tuple[bool, int]:

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftlab.decoding.ngram import graft
 from draftlab.decoding.tree import load_tree
-from draftlab.models import attention, fused_attention, presets, row_kernel
+from draftlab.models import attention, fused_attention, row_kernel
 from draftlab.models.target import (
     Target,
     cpu_has_amx_bf16,
@@ -202,8 +202,8 @@ def test_a_process_killed_while_loading_the_kernel_blocks_no_later_one(tmp_path)
     build directory half-built; our own lock, held when killed) must not make a later process
     wait: with torch's lock alone, every later load of that directory waited for ever."""
     _need_kernel()
-    env = {**os.environ, "DRAFTLAB_CACHE": str(tmp_path)}
-    where = tmp_path / row_kernel.build_dir().relative_to(presets.cache_dir())
+    env = {**os.environ, "DRAFTLAB_KERNEL_CACHE": str(tmp_path)}
+    where = tmp_path / row_kernel.build_dir().relative_to(row_kernel.kernels_dir())
     where.mkdir(parents=True)
     (where / "lock").touch()  # torch's baton, left by a process killed in cpp_extension.load
     (where.parent / f"{where.name}.tmp-1").mkdir()  # a build killed half-way

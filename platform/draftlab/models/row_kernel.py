@@ -8,7 +8,7 @@ torch's threads: several times cheaper a row, the decoding step included
 (docs/benchmarks.md#verify-cost-on-cpus).
 
 It is compiled with the C++ compiler torch's extensions use (`torch.utils.cpp_extension`,
-ninja) the first time a process needs it (tens of seconds), into `$DRAFTLAB_CACHE/kernels/<digest>`
+ninja) the first time a process needs it (tens of seconds), into `kernels_dir()/<digest>`
 keyed by the source, torch's version and this CPU's flags, so later processes load it in
 milliseconds. Where it cannot be built (no compiler), `load()` returns None once with a
 warning and row-exact attention keeps SDPA's kernel: both are row-exact, and one process
@@ -54,13 +54,19 @@ def _cpu_flags() -> str:
     )
 
 
+def kernels_dir() -> Path:
+    """Built kernels: `$DRAFTLAB_KERNEL_CACHE`, else `$DRAFTLAB_CACHE/kernels`. A kernel depends
+    on its source, torch and the CPU only, so processes that keep their data and mirrors
+    apart (their own `DRAFTLAB_CACHE`) can still share one build."""
+    own = os.environ.get("DRAFTLAB_KERNEL_CACHE")
+    return Path(own).expanduser() if own else cache_dir() / "kernels"
+
+
 def build_dir() -> Path:
     """Where this source, torch and CPU's build lives (a CPU with other flags builds anew:
     the kernel is compiled for the machine it runs on)."""
     key = "\n".join([SOURCE.read_text(), torch.__version__, platform.machine(), _cpu_flags()])
-    return (
-        cache_dir() / "kernels" / f"row_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    )
+    return kernels_dir() / f"row_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _find_ninja() -> None:
@@ -103,7 +109,7 @@ def _build(where: Path):
     shutil.rmtree(where, ignore_errors=True)  # a build from before this layout, or a broken one
     scratch = where.parent / f"{where.name}.tmp-{os.getpid()}"
     scratch.mkdir()
-    log.info("building draftlab's CPU row attention kernel once (~20 s) in %s", where)
+    log.info("building draftlab's CPU row attention kernel once (up to a minute) in %s", where)
     module = cpp_extension.load(
         name=NAME,
         sources=[str(SOURCE)],
