@@ -10,6 +10,7 @@ import pytest
 
 from draftlab.config import BenchConfig
 from draftlab.data.prompts import load_prompts
+from draftlab.serve.vllm_app import VllmServeArgs
 from draftlab.verdict import add_load_speedups, schedule, verdict
 from draftlab.vllm_scheduler import (
     REQUEST_K,
@@ -206,3 +207,23 @@ def test_prompts_from_a_datasets_source(tmp_path):
     assert len(load_prompts(f"datasets:{tmp_path / 't.jsonl'}", limit=2)) == 2
     with pytest.raises(ValueError, match="cannot load it with datasets"):
         load_prompts(f"datasets:{tmp_path / 'missing.parquet'}")
+
+
+def test_suffix_capped_at_k_is_deployed_with_that_k_and_its_schedule():
+    """`vllm_suffix@k8` (its drafts capped at 8 per request on the suffix engine) beat the
+    uncapped suffix drafting: suffix is deployed drafting at most 8 tokens, where it won."""
+    r = _report(
+        {"vllm_ar": 10, "vllm_suffix": 12, "vllm_suffix@k8": 13},
+        {
+            "vllm_ar": {1: 10, 16: 60},
+            "vllm_suffix": {1: 12, 16: 55},
+            "vllm_suffix@k8": {1: 13, 16: 58},
+        },
+    )
+    v = verdict(r, BenchConfig())
+    assert v["served"] == "vllm_suffix@k8"
+    assert v["deploy"]["method"] == "suffix" and v["deploy"]["num_speculative_tokens"] == 8
+    assert v["deploy"]["schedule"] == [[1, 1, 8], [2, 1024, 0]]
+    VllmServeArgs.model_validate(
+        {"target": {"name": "smollm2-135m"}, "model_uri": "models:/m@champion"} | v["deploy"]
+    )

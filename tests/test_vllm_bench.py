@@ -42,11 +42,13 @@ VLLM = [
     "vllm_draftlab_ngram",
 ]  # engines, in run order
 MEASURED = [
-    *VLLM[:4],
+    *VLLM[:3],
+    "vllm_suffix@k8",
+    VLLM[3],
     "vllm_draftlab@k1",
     "vllm_draftlab@k2",
     VLLM[4],
-]  # methods: k1, k2 on the drafter's engine
+]  # methods: suffix capped at 8 on its engine (the default), k1, k2 on the drafter's engine
 NEW = 32
 K = 3
 
@@ -175,6 +177,9 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
         "vllm_draftlab@k1",
         "vllm_draftlab@k2",
     ]
+    assert report["vllm"]["engines"]["vllm_suffix"] == ["vllm_suffix", "vllm_suffix@k8"]
+    capped = m["vllm_suffix@k8"]  # suffix drafts vary in length: at most 8 verified a step
+    assert capped["draft_tokens"] <= 8 * capped["drafts"]
     for n in (1, 2):
         s = m[f"vllm_draftlab@k{n}"]
         assert s["drafts"] > 0 and s["draft_tokens"] == n * s["drafts"]  # exactly n verified a step

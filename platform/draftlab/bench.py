@@ -46,7 +46,7 @@ from draftlab.models.drafters.build import load_drafter, resolve_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
-from draftlab.verdict import add_load_speedups, verdict
+from draftlab.verdict import SUFFIX_DEPTH, add_load_speedups, verdict
 from draftlab.vllm_offline import SpecCounters, VllmEngine, require_vllm
 from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs
 
@@ -508,9 +508,18 @@ def _vllm_plan(
         )
     plan: dict[str, dict] = {"vllm_ar": {"kwargs": {}, "methods": {"vllm_ar": None}}}
     for m, spec in builtin.items():  # scheduled by ours: per-request draft lengths (`draftlab_k`)
+        methods = {m: None}
+        if m == "vllm_suffix":
+            depth = spec.get("num_speculative_tokens") or SUFFIX_DEPTH
+            if bad := [n for n in v.suffix_draft_lengths if not 1 <= n < depth]:
+                raise ConfigError(
+                    f"vllm.suffix_draft_lengths {bad}: each must be >= 1 and < suffix "
+                    f"drafting's depth {depth}"
+                )
+            methods |= {f"{m}@k{n}": {REQUEST_K: n} for n in v.suffix_draft_lengths}
         plan[m] = {
             "kwargs": engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0)),
-            "methods": {m: None},
+            "methods": methods,
         }
     drafted = [m for m in asked if m.startswith("vllm_draftlab")]
     if drafted:

@@ -299,7 +299,9 @@ def _bench(a: argparse.Namespace) -> None:
             extend=a.ngram_extend,
         ),
         vllm=VllmBenchSpec(
-            memory_fraction=a.vllm_memory_fraction, draft_lengths=a.vllm_draft_lengths
+            memory_fraction=a.vllm_memory_fraction,
+            draft_lengths=a.vllm_draft_lengths,
+            suffix_draft_lengths=a.vllm_suffix_draft_lengths,
         ),
         concurrency=a.concurrency,
         load_all=a.load_all,

@@ -253,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(< its draft length), one vllm_draftlab@k<n> method each, on the same engine",
     )
     b.add_argument(
+        "--vllm-suffix-draft-lengths",
+        type=_ints,
+        default="8",
+        help="vllm_suffix: also measure its drafts capped at these k "
+        "(< its depth), one vllm_suffix@k<n> method each, on the same engine",
+    )
+    b.add_argument(
         "--concurrency",
         type=_ints,
         default="",

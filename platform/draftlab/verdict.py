@@ -73,17 +73,17 @@ def _deploy(method: str, report: dict, cfg) -> tuple[dict, int]:
     specs = report["vllm"]["speculative_config"]
     if method == "vllm_ar":
         return {"speculation": "off"}, 0
-    if method in ("vllm_ngram", "vllm_suffix"):
-        k = specs[method].get("num_speculative_tokens")
+    engine, _, k = method.partition("@k")
+    if engine in ("vllm_ngram", "vllm_suffix"):  # @k: its drafts were capped at k per request
+        k = int(k) if k else specs[engine].get("num_speculative_tokens")
         return {
             "speculation": "on",
-            "method": method.removeprefix("vllm_"),
+            "method": engine.removeprefix("vllm_"),
             "num_speculative_tokens": k,
             "ngram_min": cfg.vllm.ngram_min,
             "ngram_max": cfg.vllm.ngram_max,
             "suffix_cached_requests": cfg.vllm.suffix_cached_requests,
         }, k or SUFFIX_DEPTH
-    engine, _, k = method.partition("@k")
     lookups = report["vllm"]["lookups"].get(engine, {}).get("draftlab_lookup", {})
     if k:  # deployed as an engine of its own k
         return {

@@ -40,6 +40,12 @@ class VllmBenchSpec(StrictModel):
     """`vllm_draftlab` is also measured drafting each of these k (< its draft length), one
     `vllm_draftlab@k<n>` method each, on the same engine (per-request draft lengths,
     `draftlab.vllm_scheduler`; vLLM's parallel drafting still drafts every slot a step)."""
+    suffix_draft_lengths: list[int] = Field(default_factory=lambda: [8])
+    """`vllm_suffix` is also measured with each request's drafts capped at each of these k
+    (< its depth), one `vllm_suffix@k<n>` method each, on the same engine (per-request draft
+    lengths, `draftlab.vllm_scheduler`). Where a verified draft token costs much of a target
+    step (CPUs), shorter suffix drafts can pay more than its long ones; the verdict deploys
+    the k that won."""
 
     @model_validator(mode="after")
     def _ngram_range(self) -> VllmBenchSpec:
