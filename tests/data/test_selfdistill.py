@@ -56,7 +56,9 @@ def ray_local(tmp_path_factory):
     """One Ray instance for the module, with draftlab's cache in a temp dir."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DRAFTLAB_CACHE", str(tmp_path_factory.mktemp("draftlab-cache")))
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2)
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2
+        )
         yield
         ray.shutdown()
 

@@ -305,7 +305,7 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
     """A stream running when its replicas are told to stop finishes with every token
     (graceful_shutdown_timeout_s); requests sent meanwhile are answered promptly."""
     app = f"drain-{how}"
-    deploy(app, target=V8, graceful_shutdown_timeout_s=60, queue_timeout_s=3)
+    deploy(app, target=V8, graceful_shutdown_timeout_s=240, queue_timeout_s=3)
     prefix, result, first_chunk = f"{base_url}/{app}", {}, threading.Event()
 
     def long_stream():
@@ -340,7 +340,7 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
             target=deploy,
             args=(app,),
             kwargs=dict(
-                target=V8, graceful_shutdown_timeout_s=60, queue_timeout_s=3, retry_after_s=1
+                target=V8, graceful_shutdown_timeout_s=240, queue_timeout_s=3, retry_after_s=1
             ),
             daemon=True,
         )

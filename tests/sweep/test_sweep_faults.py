@@ -31,7 +31,9 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
 def raylet():
     """A local Ray instance; yields its raylet's pid (the parent of every worker process, so
     the test only ever kills processes of its own Ray)."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2
+    )
     yield ray._private.worker._global_node.all_processes["raylet"][0].process.pid
     ray.shutdown()
 

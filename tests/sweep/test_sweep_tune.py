@@ -29,7 +29,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2
+    )
     yield
     ray.shutdown()
 
