@@ -20,26 +20,23 @@ os.environ.setdefault("DRAFTLAB_KERNEL_CACHE", str(row_kernel.kernels_dir()))
 
 
 # The modules that take longest (Ray Train fits, Tune sweeps, vLLM engines), longest first.
-# Under pytest-xdist (`-n 2 --dist loadfile`, the README's test command) whole modules go to
-# the workers in collection order: these start first, so none of them starts last and runs
-# alone while the other worker idles.
+# Under pytest-xdist (`-n 2 --dist loadfile`, the README's test command; the `serial` Serve
+# modules run after, alone) whole modules go to the workers in collection order: these start
+# first, so none of them starts last and runs alone while the other worker idles.
 LONGEST_FIRST = (
     "sweep/test_sweep_tune.py",
     "distill/test_faults.py",
     "pipeline/test_pipeline.py",
     "distill/test_s3_storage.py",
-    "serve/test_serve_faults.py",
     "distill/test_sharded_training.py",
     "test_vllm_bench.py",
     "sweep/test_sweep_faults.py",
     "distill/test_job_submission.py",
     "distill/test_distill_ray.py",
-    "serve/test_serve_app.py",
     "data/test_selfdistill.py",
     "serve/test_fuzz.py",
     "decoding/test_lossless_sampling.py",
     "sweep/test_trial.py",
-    "serve/test_vllm_serve.py",
     "data/test_vllm_writer.py",
     "models/test_attention.py",
 )

@@ -33,7 +33,7 @@ TOTALS: Counter = Counter()
 
 @pytest.fixture(scope="module")
 def base_url():
-    for url in local_serve():
+    with local_serve() as url:
         args = ServeArgs(
             target=TargetSpec(name=TINY),
             drafter="init:parallel",

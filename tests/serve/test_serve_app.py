@@ -26,14 +26,14 @@ from draftlab.serve.pair import resolve_pair
 from draftlab.storage import mirror_dir
 from serve_support import local_serve
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 TINY = "tiny-llama"
 ENGINE = {"num_cpus": 0.25, "health_check_timeout_s": 30}
 
 
 @pytest.fixture(scope="module")
 def base_url():
-    for url in local_serve():
+    with local_serve() as url:
         args = ServeArgs(
             target=TargetSpec(name=TINY),
             drafter="init:parallel",

@@ -42,7 +42,7 @@ from draftlab.models.target import load_target
 from draftlab.serve.app import _as_unavailable, build_app
 from serve_support import local_serve, report
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 TINY = "tiny-llama"
 V8 = "tiny-llama-v8"
 LONG_PROMPT, LONG_TOKENS = "abc", 3000
@@ -52,7 +52,8 @@ QUEUE_TIMEOUT_S = 15.0  # the app's queue_timeout_s: the longest a request may w
 
 @pytest.fixture(scope="module")
 def base_url():
-    yield from local_serve()
+    with local_serve() as url:
+        yield url
 
 
 def deploy(name: str, target: str = TINY, **kw) -> None:

@@ -24,7 +24,7 @@ from serve_support import local_serve, report  # noqa: E402
 
 # Each test's limit covers the module's start (Ray ~10 s + vLLM engine ~50 s, eager, on 2 cores)
 # for whichever test runs first.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
 TARGET, MODEL, KEY, K = "tiny-llama-vllm", "tiny-vllm", "test-key", 3
 startup_s: list[float] = []
 SCHEDULE = [
@@ -51,7 +51,7 @@ def base_url(tmp_path_factory):
         # own RSS (~0.75 GiB) first, which went negative under the full suite
         engine_kwargs={"max_num_seqs": 8, "kv_cache_memory_bytes": 256 * 2**20},
     )
-    for url in local_serve():
+    with local_serve() as url:
         t0 = time.perf_counter()
         serve.run(build_vllm_app(args), name="vllm", route_prefix="/")
         startup_s.append(time.perf_counter() - t0)
