@@ -19,35 +19,6 @@ from mlflow_server import MlflowServer, mlflow_server_fixture
 os.environ.setdefault("DRAFTLAB_KERNEL_CACHE", str(row_kernel.kernels_dir()))
 
 
-# The modules that take longest (Ray Train fits, Tune sweeps, vLLM engines), longest first.
-# Under pytest-xdist (`-n 2 --dist loadfile`, the README's test command; the `serial` Serve
-# modules run after, alone) whole modules go to the workers in collection order: these start
-# first, so none of them starts last and runs alone while the other worker idles.
-LONGEST_FIRST = (
-    "sweep/test_sweep_tune.py",
-    "distill/test_faults.py",
-    "pipeline/test_pipeline.py",
-    "distill/test_s3_storage.py",
-    "distill/test_sharded_training.py",
-    "test_vllm_bench.py",
-    "sweep/test_sweep_faults.py",
-    "distill/test_job_submission.py",
-    "distill/test_distill_ray.py",
-    "data/test_selfdistill.py",
-    "serve/test_fuzz.py",
-    "decoding/test_lossless_sampling.py",
-    "sweep/test_trial.py",
-    "data/test_vllm_writer.py",
-    "models/test_attention.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    tests = config.rootpath / "tests"
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
-
-
 def _services() -> tuple[bool, int]:
     """(Ray is up in this process, MLflow servers started so far)."""
     ray = sys.modules.get("ray")

@@ -26,7 +26,7 @@ from draftlab.serve.pair import resolve_pair
 from draftlab.storage import mirror_dir
 from serve_support import local_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 TINY = "tiny-llama"
 ENGINE = {"num_cpus": 0.25, "health_check_timeout_s": 30}
 

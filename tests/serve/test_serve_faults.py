@@ -42,7 +42,7 @@ from draftlab.models.target import load_target
 from draftlab.serve.app import _as_unavailable, build_app
 from serve_support import local_serve, report
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 TINY = "tiny-llama"
 V8 = "tiny-llama-v8"
 LONG_PROMPT, LONG_TOKENS = "abc", 3000

@@ -24,7 +24,7 @@ from serve_support import local_serve, report  # noqa: E402
 
 # Each test's limit covers the module's start (Ray ~10 s + vLLM engine ~50 s, eager, on 2 cores)
 # for whichever test runs first.
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TARGET, MODEL, KEY, K = "tiny-llama-vllm", "tiny-vllm", "test-key", 3
 startup_s: list[float] = []
 SCHEDULE = [
