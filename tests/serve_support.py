@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import ray
 from ray import serve
 
 from mlflow_server import free_port
+from ray_support import local_ray
 
 
 @contextmanager
@@ -17,16 +17,13 @@ def local_serve() -> Iterator[str]:
     """Start Ray and Serve (HTTP on 127.0.0.1, a free port); give the base URL; stop both, also
     when Serve or the module's deployment fails to start (a Ray left running would fail every
     later module of the pytest worker). `with local_serve() as url:` in a module fixture."""
-    ray.init(
-        address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2
-    )
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_ray(num_cpus=4):
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
 
 
 def report(capsys, tag: str, line: str) -> None:

@@ -422,9 +422,8 @@ def test_flush_survives_a_server_outage(mlflow_server):
 
     t.buffer_metrics({"loss": 0.1}, 4)
     mlflow_server.start()
-    client.search_experiments(max_results=1)  # the restarted server answers
-    for _ in range(5):  # a busy machine (CI, pytest -n 2) can answer one flush late: the
-        try:  # buffer stays for the next flush, as the error says
+    for _ in range(5):  # a busy machine can answer a flush after its 3 s: the buffer stays
+        try:  # for the next flush, as the error says
             t.flush()
             break
         except TrackingUnavailable:

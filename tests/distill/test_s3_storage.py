@@ -25,6 +25,7 @@ from draftlab.models.drafters.build import load_drafter
 from draftlab.models.target import load_target
 from draftlab.storage import exists, local_copy, publish
 from mlflow_server import free_port
+from ray_support import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -59,13 +60,10 @@ def s3(tmp_module):
         mp.chdir(workdir)
         client = boto3.client("s3")
         client.create_bucket(Bucket=BUCKET)
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=False, object_store_memory=150 * 1024**2
-        )
         try:
-            yield client
+            with local_ray():
+                yield client
         finally:
-            ray.shutdown()
             server.stop()
 
 

@@ -23,18 +23,16 @@ from draftlab.distill.launch import run_distill
 from draftlab.distill.objective import DistillModule
 from draftlab.models.drafters.build import init_drafter, load_drafter
 from draftlab.models.target import load_target
+from ray_support import local_ray
 
 pytestmark = pytest.mark.slow
 K = 3
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(
-        address="local", num_cpus=4, include_dashboard=False, object_store_memory=150 * 1024**2
-    )
-    yield
-    ray.shutdown()
+def ray_cluster():
+    with local_ray(num_cpus=4):
+        yield
 
 
 def _rows() -> list[dict]:

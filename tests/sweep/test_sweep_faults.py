@@ -19,6 +19,7 @@ import yaml
 from distill_support import committed_checkpoint, tiny_config, wait_for
 from draftlab.config import TrainConfig
 from draftlab.sweep.runner import run_sweep
+from ray_support import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +32,8 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
 def raylet():
     """A local Ray instance; yields its raylet's pid (the parent of every worker process, so
     the test only ever kills processes of its own Ray)."""
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2
-    )
-    yield ray._private.worker._global_node.all_processes["raylet"][0].process.pid
-    ray.shutdown()
+    with local_ray(object_store_mb=200):
+        yield ray._private.worker._global_node.all_processes["raylet"][0].process.pid
 
 
 def test_crashed_trial_is_retried_and_resumes_its_training(raylet, mlflow_uri, tmp_path):

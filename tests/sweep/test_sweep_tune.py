@@ -13,12 +13,12 @@ from pathlib import Path
 
 import mlflow
 import pytest
-import ray
 import yaml
 
 from distill_support import tiny_config
 from draftlab.config import TrainConfig
 from draftlab.sweep.runner import resume_sweep, run_sweep
+from ray_support import local_ray
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,11 +29,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2
-    )
-    yield
-    ray.shutdown()
+    with local_ray(object_store_mb=200):
+        yield
 
 
 def write_sweep(tmp: Path, uri: str, name: str, train: TrainConfig | None = None, **doc) -> Path:
