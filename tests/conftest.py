@@ -17,6 +17,44 @@ from mlflow_server import MlflowServer, mlflow_server_fixture
 # point DRAFTLAB_CACHE at a directory of their own (their data, S3 mirrors): a build takes up
 # to a minute on 2 cores. Set before any Ray instance starts, so its workers inherit it.
 os.environ.setdefault("DRAFTLAB_KERNEL_CACHE", str(row_kernel.kernels_dir()))
+# Ray Train, for every test Ray instance (read when a fit starts): the controller polls its
+# workers every 0.1 s instead of 2 s (each fit ends sooner), and no preemption watcher actor
+# (one more Python process to start per fit, for cloud node drains a test never has).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+# The longest modules (serial seconds on 2 cores: Ray Train fits, Tune sweeps, vLLM engines,
+# Serve), longest first. Under pytest-xdist (`-n 2 --dist loadfile`, the README's test
+# command) whole modules go to the two workers in collection order: these start first, so
+# none of them starts last and runs alone while the other worker idles.
+LONGEST_FIRST = (
+    "distill/test_faults.py",  # 279 s
+    "sweep/test_sweep_tune.py",  # 275 s
+    "pipeline/test_pipeline.py",  # 221 s
+    "distill/test_sharded_training.py",  # 153 s
+    "serve/test_serve_faults.py",  # 146 s
+    "sweep/test_sweep_faults.py",  # 125 s
+    "distill/test_job_submission.py",  # 122 s
+    "test_vllm_bench.py",  # 120 s
+    "distill/test_distill_ray.py",  # 113 s
+    "serve/test_fuzz.py",  # 107 s
+    "serve/test_serve_app.py",  # 106 s
+    "distill/test_s3_storage.py",  # 106 s
+    "data/test_selfdistill.py",  # 100 s
+    "decoding/test_lossless_sampling.py",  # 98 s
+    "models/test_attention.py",  # 87 s
+    "serve/test_vllm_serve.py",  # 86 s
+    "data/test_vllm_writer.py",  # 83 s
+    "sweep/test_trial.py",  # 77 s
+    "test_smoke_smollm2.py",  # 55 s
+    "test_tracking.py",  # 51 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    tests = config.rootpath / "tests"
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
 
 
 def _services() -> tuple[bool, int]:

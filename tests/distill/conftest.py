@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# Ray Train's controller polls workers every 2 s by default; 0.1 s halves each fit().
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+# (the health-check interval and the preemption watcher: tests/conftest.py)
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
 
 

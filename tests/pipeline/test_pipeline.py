@@ -6,7 +6,6 @@ interruption continues at the first unfinished one."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,10 @@ from draftlab.config import TargetSpec
 from draftlab.pipeline.runner import float32_note, format_summary, run_pipeline
 from mlflow_server import free_port
 
-pytestmark = pytest.mark.slow
+# the first run, in the fixture, takes ~200 s alone on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["data", "distill", "sweep", "promote", "compare", "serve", "smoke", "report"]
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 @pytest.fixture(scope="module")

@@ -213,8 +213,9 @@ def assert_retryable(o: Outcome, since: float) -> None:
         assert o.retry_after is not None and int(o.retry_after) >= 0
     else:  # a stream cut after its headers: the error is in-band and [DONE] still comes
         assert o.done, o.events[-3:]
-    # Fast: no longer after the kill (or after it was sent) than a replica wait may take.
-    assert o.end - max(o.start, since) < QUEUE_TIMEOUT_S + 5 < CLIENT_TIMEOUT_S
+    # Fast: no longer after the kill (or after it was sent) than a replica wait may take, plus
+    # 15 s for a machine busy with other work (the tests may run two modules at a time)
+    assert o.end - max(o.start, since) < QUEUE_TIMEOUT_S + 15 < CLIENT_TIMEOUT_S
 
 
 def test_killed_replica_under_load_fails_fast_and_recovers(base_url, capsys):
@@ -366,10 +367,10 @@ def test_graceful_shutdown_drains_a_running_stream(base_url, long_reference, how
         "the drained stream lost tokens"
     )
     assert during, "the stream ended before any request was sent during the drain"
-    for (
-        o
-    ) in during:  # promptly: at most a new ingress's start, then the app's queue_timeout_s (3 s)
-        assert o.exception is None and o.end - o.start < 15, o
+    # promptly, long before the 240 s drain could end: at most a new ingress's start (~30 s
+    # seen while another test module trains on the same 2 cores), then queue_timeout_s (3 s)
+    for o in during:
+        assert o.exception is None and o.end - o.start < 60, o
         if how == "delete-app":  # the route is gone: Serve's proxy answers 404 (plain text)
             assert o.status in (200, 404), o
         else:

@@ -23,8 +23,6 @@ from ray_support import local_ray
 
 pytestmark = pytest.mark.slow
 
-# Ray Train's controller polls workers every 2 s by default; 0.1 s shortens each fit.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
 
 

@@ -23,9 +23,6 @@ from ray_support import local_ray
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
-# Ray Train's controller polls workers every 2 s by default; 0.1 s shortens each fit.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-
 
 @pytest.fixture(scope="module")
 def ray_local():
