@@ -22,40 +22,12 @@ os.environ.setdefault("DRAFTLAB_KERNEL_CACHE", str(row_kernel.kernels_dir()))
 # (one more Python process to start per fit, for cloud node drains a test never has).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-
-# The longest modules (serial seconds on 2 cores: Ray Train fits, Tune sweeps, vLLM engines,
-# Serve), longest first. Under pytest-xdist (`-n 2`, the README's test command; pyproject.toml
-# adds `--dist loadfile --no-loadscope-reorder`) whole modules go to the two workers in
-# collection order: these start first, so none of them starts last and runs alone while the
-# other worker idles.
-LONGEST_FIRST = (
-    "distill/test_faults.py",  # 279 s
-    "sweep/test_sweep_tune.py",  # 275 s
-    "pipeline/test_pipeline.py",  # 221 s
-    "distill/test_sharded_training.py",  # 153 s
-    "serve/test_serve_faults.py",  # 146 s
-    "sweep/test_sweep_faults.py",  # 125 s
-    "distill/test_job_submission.py",  # 122 s
-    "test_vllm_bench.py",  # 120 s
-    "distill/test_distill_ray.py",  # 113 s
-    "serve/test_fuzz.py",  # 107 s
-    "serve/test_serve_app.py",  # 106 s
-    "distill/test_s3_storage.py",  # 106 s
-    "data/test_selfdistill.py",  # 100 s
-    "decoding/test_lossless_sampling.py",  # 98 s
-    "models/test_attention.py",  # 87 s
-    "serve/test_vllm_serve.py",  # 86 s
-    "data/test_vllm_writer.py",  # 83 s
-    "sweep/test_trial.py",  # 77 s
-    "test_smoke_smollm2.py",  # 55 s
-    "test_tracking.py",  # 51 s
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    tests = config.rootpath / "tests"
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+# Under pytest-xdist (`-n 2`) the test processes share the cores: each one's torch gets its
+# share. Two processes of 2 OpenMP threads each on 2 cores ran the compute-bound modules up to
+# 10x slower than alone (test_greedy_identity 321 s against 31 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, torch.get_num_threads() // _workers))
 
 
 def _services() -> tuple[bool, int]:

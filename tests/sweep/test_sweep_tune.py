@@ -20,7 +20,7 @@ from draftlab.config import TrainConfig
 from draftlab.sweep.runner import resume_sweep, run_sweep
 from ray_support import local_ray
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # 4 trials: ~150 s alone on 2 cores
 ROOT = Path(__file__).resolve().parents[2]
 
 
