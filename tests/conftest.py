@@ -18,10 +18,12 @@ from mlflow_server import MlflowServer, mlflow_server_fixture
 # to a minute on 2 cores. Set before any Ray instance starts, so its workers inherit it.
 os.environ.setdefault("DRAFTLAB_KERNEL_CACHE", str(row_kernel.kernels_dir()))
 # Ray Train, for every test Ray instance (read when a fit starts): the controller polls its
-# workers every 0.1 s instead of 2 s (each fit ends sooner), and no preemption watcher actor
-# (one more Python process to start per fit, for cloud node drains a test never has).
+# workers every 0.1 s instead of 2 s (each fit ends sooner), no preemption watcher actor (one
+# more Python process to start per fit, for cloud node drains a test never has), and no state
+# actor polling controllers that the fault tests kill.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
 # Under pytest-xdist (`-n 2`) the test processes share the cores: each one's torch gets its
 # share. Two processes of 2 OpenMP threads each on 2 cores ran the compute-bound modules up to
 # 10x slower than alone (test_greedy_identity 321 s against 31 s).

@@ -5,7 +5,6 @@ checkpoint instead of training from scratch. Recovery times are printed (`pytest
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -22,8 +21,6 @@ from draftlab.sweep.runner import run_sweep
 from ray_support import local_ray
 
 pytestmark = pytest.mark.slow
-
-os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
 
 
 @pytest.fixture(scope="module")
