@@ -19,7 +19,7 @@ import re
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -91,6 +91,8 @@ def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "None"
     origin = get_origin(tp)
+    if origin is Annotated:  # a tagged union's member: its type alone
+        return _type_name(get_args(tp)[0])
     if origin is Literal:
         return " | ".join(repr(v) for v in get_args(tp))
     if origin in (Union, types.UnionType):
@@ -117,7 +119,9 @@ def _sections(tp: Any, suffix: str = "") -> Iterator[tuple[str, type[BaseModel]]
         yield suffix, tp
         return
     origin, args = get_origin(tp), get_args(tp)
-    if origin in (Union, types.UnionType):
+    if origin is Annotated:
+        yield from _sections(args[0], suffix)
+    elif origin in (Union, types.UnionType):
         for a in args:
             yield from _sections(a, suffix)
     elif inspect.isclass(origin) and issubclass(origin, Mapping) and len(args) == 2:
@@ -137,10 +141,15 @@ def _rows(
     prefix: str = "",
     instance: BaseModel | None = None,
     seen: tuple[type, ...] = (),
+    only: set[str] | None = None,
 ) -> Iterator[tuple[str, str, str, str]]:
-    """(dotted name, type, default, description) per field, sections followed by their
-    fields. Defaults come from `instance` when the section's default is a filled-in model."""
+    """(dotted name, type, default, description) per field (`only` these, if given),
+    sections followed by their fields. Defaults come from `instance` when the section's
+    default is a filled-in model. A section whose model subclasses one this field already
+    listed (one source or a list of mix sources) lists only the fields it adds or changes."""
     for name, field in model.model_fields.items():
+        if only is not None and name not in only:
+            continue
         dotted = prefix + name
         if instance is not None:
             value: Any = getattr(instance, name)
@@ -153,10 +162,17 @@ def _rows(
             "required" if value is ... else "" if isinstance(value, BaseModel) else f"`{value!r}`"
         )
         yield dotted, kind, default, field.description or ""
+        listed: list[type[BaseModel]] = []
         for suffix, sub in _sections(field.annotation):
             if sub not in seen:
                 filled = value if suffix == "" and isinstance(value, sub) else None
-                yield from _rows(sub, f"{dotted}{suffix}.", filled, (*seen, model))
+                own = (
+                    set(vars(sub).get("__annotations__", {}))
+                    if any(issubclass(sub, done) for done in listed)
+                    else None
+                )
+                yield from _rows(sub, f"{dotted}{suffix}.", filled, (*seen, model), own)
+                listed.append(sub)
 
 
 def _anchor(heading: str) -> str:

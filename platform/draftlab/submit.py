@@ -26,7 +26,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from draftlab.config import ConfigError, PromptSourceConfig, TargetSpec
+from draftlab.config import ConfigError, DataConfig, TargetSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINTS = {
@@ -134,15 +134,16 @@ def _git_exclude(root: Path, pattern: str) -> None:
             f.write(f"\n{pattern}\n")
 
 
-def check_hub_access(target: TargetSpec, source: PromptSourceConfig | None = None) -> None:
+def check_hub_access(target: TargetSpec, data: DataConfig | None = None) -> None:
     """Job driver validation, before any Ray work (`draftlab distill`, `sweep` and `pipeline`,
     from the CLI or `jobs/*.py` / `sweeps/run.py` under `ray job submit`): a gated hub target or
     dataset (their `gated` field) needs a Hugging Face token where the job runs. Raises one
     ConfigError line otherwise. `draftlab submit` leaves this to the driver: the cluster may
     hold a token (a Kubernetes secret) that the submitting machine does not."""
     gated = [f"target.name {target.gated_repo()!r}"] if target.gated_repo() else []
-    if source is not None and source.gated_repo():
-        gated.append(f"data.source.path {source.gated_repo()!r}")
+    for source in data.sources if data is not None else []:
+        if source.gated_repo():
+            gated.append(f"data.source.path {source.gated_repo()!r}")
     if not gated:
         return
     from huggingface_hub import get_token  # noqa: PLC0415 -- huggingface_hub (module docstring)

@@ -169,6 +169,10 @@ class VllmEngine:
     default, 1: right for one request at a time, 0 for batches, see `CPU_ENV_DEFAULTS`).
     `memory_setting` names the caller's setting behind `memory_fraction` in the error a
     failed start-up raises (most often: too little memory left for the KV cache).
+    `whole_prefills` schedules every prompt's prefill in one step (no chunked prefill): on
+    the CPU backend a seeded request whose prefill is split crashes the engine ("CPU
+    Generator does not use offset": vLLM rewinds the request's generator after a partial
+    prefill, which a CPU generator cannot), and batches of long prompts get split.
     """
 
     def __init__(
@@ -187,6 +191,7 @@ class VllmEngine:
         max_num_seqs: int | None = None,
         reserved_cpus: int | None = None,
         memory_setting: str = "memory_fraction",
+        whole_prefills: bool = False,
     ):
         self.model_dir = str(Path(model_dir).expanduser())
         self.kwargs = (
@@ -201,6 +206,14 @@ class VllmEngine:
                 disable_log_stats=False,  # the Prometheus counters we read need stats on
             )
             | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {})
+            | (
+                {
+                    "enable_chunked_prefill": False,
+                    "max_num_batched_tokens": max(max_model_len, 8192),
+                }
+                if whole_prefills
+                else {}
+            )
             | (
                 {"scheduler_cls": scheduler_cls, "additional_config": additional_config or {}}
                 if scheduler_cls

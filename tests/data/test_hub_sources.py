@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from draftlab.cli import main
-from draftlab.config import ConfigError, PromptSourceConfig, TargetSpec
+from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, TargetSpec
 from draftlab.data.cache import dataset_key
 from draftlab.data.sources import load_prompts_from_source
 from draftlab.submit import check_hub_access
@@ -117,11 +117,14 @@ def test_gated_hub_repos_need_a_token(no_token, monkeypatch, tmp_path):
     check_hub_access(
         TargetSpec(name="meta-llama/Llama-3.1-8B-Instruct")
     )  # a local copy of that name
-    gated_data = PromptSourceConfig(kind="dataset", path="org/private-prompts", gated=True)
-    with pytest.raises(
-        ConfigError, match="data.source.path 'org/private-prompts' is a gated hub repo"
-    ):
-        check_hub_access(TargetSpec(name="smollm2-135m"), gated_data)
+    gated = PromptSourceConfig(kind="dataset", path="org/private-prompts", gated=True)
+    gated_data = DataConfig(source=gated)
+    gated_mix = DataConfig(source=[{}, gated.model_dump(exclude={"num_prompts"})], num_prompts=8)
+    for data in (gated_data, gated_mix):
+        with pytest.raises(
+            ConfigError, match="data.source.path 'org/private-prompts' is a gated hub repo"
+        ):
+            check_hub_access(TargetSpec(name="smollm2-135m"), data)
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     check_hub_access(TargetSpec(name="meta-llama/Llama-3.1-8B-Instruct"), gated_data)
 

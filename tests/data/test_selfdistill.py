@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from draftlab.config import ConfigError, DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
+from draftlab.config import (
+    ConfigError,
+    DataConfig,
+    MixSource,
+    PromptSourceConfig,
+    SamplingParams,
+    TargetSpec,
+)
 from draftlab.data import cache, selfdistill
+from draftlab.data import sources as sources_module
 from draftlab.data.cache import cache_path, dataset_key, key_inputs, prompts_cache_file, shard_dir
 from draftlab.data.dataset import train_eval_split
 from draftlab.data.generation import generation_spec, target_features
@@ -528,7 +536,7 @@ def test_a_prompt_list_cached_before_lists_could_grow_serves_its_own_size(data_c
     old = (
         cache.cache_root(data)
         / "prompts"
-        / f"{cache._digest(cache._prompt_inputs(data, 'fp'))}.json"
+        / f"{cache._digest(cache._prompt_inputs(data, data.source, 'fp'))}.json"
     )  # num_prompts in it
     old.parent.mkdir(parents=True)
     old.write_text(json.dumps(PROMPTS))
@@ -602,3 +610,59 @@ def test_generation_spec_resolves_device_from_use_gpu():
     }
     with pytest.raises(ValueError, match="use_gpu"):
         generation_spec(TINY.model_copy(update={"device": "cuda"}), use_gpu=False)
+
+
+# --- a mix of sources ----------------------------------------------------------------------
+
+
+def test_a_mix_takes_each_sources_share_interleaved_and_caches_each_list(
+    ray_local, data_cfg, tiny, tmp_path, monkeypatch
+):
+    docs = write_jsonl(
+        tmp_path / "docs.jsonl",
+        [
+            {"body": f"Report {i}. " + "The pumps ran all year and the reservoir stayed full. " * 6}
+            for i in range(4)
+        ],
+    )
+    grounded = MixSource(
+        kind="magpie",
+        documents=str(docs),
+        document_field="body",
+        document_tokens=64,
+        max_prompt_tokens=8,
+        min_chars=4,
+        weight=1,
+    )
+    listed = MixSource(kind="dataset", path=data_cfg.source.path, weight=2)
+    mix = DataConfig(
+        source=[listed, grounded],
+        num_prompts=9,
+        max_new_tokens=4,
+        shard_size=3,
+        batch_size=4,
+        eval_fraction=0.25,
+        cache_dir=str(tmp_path),
+    )
+    assert [s.num_prompts for s in mix.sources] == [6, 3]
+    dsd = load_or_generate(mix, TINY, progress=False, keep_shards=True)
+    got = [r["prompt"] for r in list(dsd["train"]) + list(dsd["eval"])]
+    assert len(got) == 9 and sorted(p for p in got if p in PROMPTS) == sorted(PROMPTS[:6])
+    grounded_prompts = [p for p in got if p not in PROMPTS]
+    assert all("The pumps ran all year" in p for p in grounded_prompts)
+    plan = json.loads((cache_path(mix, tiny.fingerprint) / "work" / "prompts.json").read_text())
+    order = ["grounded" if p not in PROMPTS else "listed" for p in plan["prompts"]]
+    assert order == ["listed", "grounded", "listed"] * 3  # each shard of 3 holds both kinds
+    for source in mix.sources:  # each list cached on its own, as that source alone would be
+        cached = json.loads(prompts_cache_file(mix, tiny.fingerprint, source).read_text())
+        assert len(cached["prompts"]) == source.num_prompts
+    with pytest.raises(ValueError, match="name the source"):
+        prompts_cache_file(mix, tiny.fingerprint)
+
+    def no_source(*args, **kwargs):
+        raise AssertionError("the cached prompt lists should have been reused")
+
+    monkeypatch.setattr(sources_module, "collect_prompts", no_source)
+    longer = mix.model_copy(update={"max_new_tokens": 5})
+    again = load_or_generate(longer, TINY, progress=False)
+    assert sorted(r["prompt"] for r in list(again["train"]) + list(again["eval"])) == sorted(got)

@@ -15,7 +15,8 @@ import pytest
 
 from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
 from draftlab.data.cache import dataset_key, prompts_cache_file
-from draftlab.data.generation import generate_responses, open_writer
+from draftlab.data.generation import open_writer
+from draftlab.data.responses import generate_responses
 from draftlab.data.selfdistill import load_or_generate
 from draftlab.data.sources import dedup_key, load_prompts_from_source, reject_reason
 from draftlab.decoding.engine import autoregressive_generate

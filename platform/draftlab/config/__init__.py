@@ -29,7 +29,7 @@ from draftlab.config.base import (
     read_mapping,
 )
 from draftlab.config.bench import BenchConfig, DoctorConfig, ProfileConfig, VllmBenchSpec
-from draftlab.config.data import MAGPIE_SEEDS, DataConfig, PromptSourceConfig
+from draftlab.config.data import MAGPIE_SEEDS, DataConfig, MixSource, PromptSourceConfig
 from draftlab.config.decoding import NgramSpec, SamplingParams
 from draftlab.config.distill import (
     BenchSpec,
@@ -51,6 +51,7 @@ from draftlab.config.target import GATED_ORGS, TargetSpec
 __all__ = [
     "GATED_ORGS",
     "MAGPIE_SEEDS",
+    "MixSource",
     "AutoscalingSpec",
     "BenchConfig",
     "BenchSpec",

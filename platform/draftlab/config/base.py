@@ -8,10 +8,10 @@ name the field (and, via :func:`load_yaml`, the file) so a typo fails before any
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar, get_args
+from typing import Annotated, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,6 +43,20 @@ def _section(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | Non
     return model
 
 
+TAG = "tag:"
+"""Prefix of the tags of tagged unions (`one_or_list`), which error paths leave out."""
+
+
+def one_or_list(one: type[BaseModel], item: type[BaseModel]):
+    """The type of a field that takes one `one` or a list of `item`s: a tagged union, so an
+    error names the field path alone (`data.source.kind`, `data.source.1.kind`), not every
+    union member's."""
+    return Annotated[
+        Annotated[one, Tag(f"{TAG}one")] | Annotated[list[item], Tag(f"{TAG}list")],
+        Discriminator(lambda v: f"{TAG}list" if isinstance(v, list) else f"{TAG}one"),
+    ]
+
+
 def format_validation_error(
     err: ValidationError, source: str, model: type[BaseModel] | None = None
 ) -> str:
@@ -50,7 +64,8 @@ def format_validation_error(
     its section allows (when `model` is given), a bad choice the allowed values."""
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        path = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith(TAG))]
+        loc = ".".join(str(p) for p in path) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             section = _section(model, e["loc"][:-1])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from draftlab.config.base import StrictModel, unset
+from draftlab.config.base import StrictModel, one_or_list, unset
 from draftlab.config.target import gated_hub_repo
 
 MAGPIE_SEEDS = (
@@ -28,6 +28,37 @@ MAGPIE_SEEDS = (
     "Describe",
     "Imagine you are",
 )
+
+DOCUMENT_SEEDS = (
+    "{document}\n\nSummarize",
+    "Context:\n{document}\n\nQuestion:",
+    "{document}\n\nBased on the text above,",
+    "Translate the following text into",
+    "Here are my notes:\n\n{document}\n\nCan you",
+    "Read this and",
+    "{document}\n\nWhat",
+    "Rewrite the following text so that",
+)
+"""Openings of document-grounded user turns (`source.documents`): `{document}` is the turn's
+document; an opening without it gets the document after its words (its request comes first,
+as in "Translate the following text into ..."). The target writes the rest of the turn."""
+
+DOCUMENT_REQUESTS = (
+    "Write the annual operations report of a small public organisation.",
+    "Write the minutes of a community committee meeting.",
+    "Write a news article about a local event.",
+    "Write a company profile: history, products and figures.",
+    "Write an encyclopedia entry about a small town.",
+    "Write the post-mortem of a website outage.",
+    "Write an email to a colleague with a project update.",
+    "Write a short biography of a scientist.",
+    "Write a travel guide entry for a city.",
+    "Write a product announcement for a new device.",
+    "Write a short history of an invention.",
+    "Write a blog post about a hobby.",
+)
+"""What the target is asked to write when it writes its own documents (`documents: self`),
+in turn: the kinds of text users ask to summarise, query and translate."""
 
 
 class PromptSourceConfig(StrictModel):
@@ -65,8 +96,8 @@ class PromptSourceConfig(StrictModel):
     max_prompt_tokens: int = Field(128, ge=4)
     """Drop (dataset) or cap (magpie) prompts longer than this many target tokens."""
     magpie_seeds: list[str] = Field(default_factory=lambda: list(MAGPIE_SEEDS), min_length=1)
-    """`magpie`: openings of the user turns, used in turn (one per sampling batch); `""` is
-    the bare header. Task openings spread the prompts over task types (code, maths,
+    """`magpie`: openings of the user turns, used in turn (turn i takes opening i mod their
+    count); `""` is the bare header. Task openings spread the prompts over task types (code, maths,
     translation, summaries, ...) that a small model rarely writes unprompted."""
     magpie_temperature: float = Field(1.0, gt=0.0)
     """`magpie`: sampling temperature for prompt writing."""
@@ -74,17 +105,75 @@ class PromptSourceConfig(StrictModel):
     """`magpie`: nucleus mass for prompt writing."""
     seed: int = 0
     """Seed for magpie sampling and for the train/eval split."""
+    documents: str | None = Field(None, exclude_if=unset)
+    """`magpie`: ground each prompt in a document, as summaries, questions over a context
+    (RAG) and translations are: `self` (the target writes them, `DOCUMENT_REQUESTS` in turn),
+    `python-docs` (the Python reference shipped with Python) or a local file / `datasets`
+    source whose `document_field` holds the texts. The seeds then default to
+    `DOCUMENT_SEEDS`, each turn with a document of its own. None = plain magpie prompts."""
+    document_field: str | None = Field(None, exclude_if=unset)
+    """`documents` from a file or dataset: the column of texts (None = `text`)."""
+    document_tokens: int | None = Field(None, ge=16, exclude_if=unset)
+    """`documents`: at most this many target tokens of document per prompt (corpus texts are
+    cut at a paragraph or line end; `self` ones are written to this length). None = 256."""
+
+    @model_validator(mode="after")
+    def _documents(self) -> PromptSourceConfig:
+        if self.documents is None:
+            for name in ("document_field", "document_tokens"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is set but documents is not")
+            return self
+        if self.kind != "magpie":
+            raise ValueError("documents ground magpie prompts: set kind: magpie")
+        if "magpie_seeds" not in self.model_fields_set:
+            self.magpie_seeds = list(DOCUMENT_SEEDS)
+        return self
+
+    @property
+    def doc_tokens(self) -> int:
+        """Document tokens per prompt (0 without documents)."""
+        return 0 if self.documents is None else self.document_tokens or 256
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """The longest prompt kept, in target tokens: the written words, plus any document and
+        64 for the opening's own words around it."""
+        return self.max_prompt_tokens + self.doc_tokens + (64 if self.documents else 0)
 
     def gated_repo(self) -> str | None:
         """The hub dataset a token is needed for (see `gated`), or None."""
         return gated_hub_repo(self.path, self.gated) if self.kind == "dataset" else None
 
 
+class MixSource(PromptSourceConfig):
+    """One source of a mix (`data.source` as a list): any prompt source, with a weight
+    instead of a count."""
+
+    num_prompts: int | None = Field(None, exclude_if=unset)
+    """Set by the mix: its share of `data.num_prompts` by `weight` (leave it out)."""
+    weight: float = Field(1.0, gt=0.0)
+    """This source's share of `data.num_prompts`, relative to the other entries' weights."""
+
+    @model_validator(mode="after")
+    def _count_from_the_mix(self) -> MixSource:
+        if self.num_prompts is not None:
+            raise ValueError(
+                "num_prompts: in a mix each source gets its share of data.num_prompts by weight"
+            )
+        return self
+
+
 class DataConfig(StrictModel):
     """Self-distillation data: the target answers the prompts; cached as Arrow."""
 
-    source: PromptSourceConfig = Field(default_factory=PromptSourceConfig)
-    """Prompt source."""
+    source: one_or_list(PromptSourceConfig, MixSource) = Field(default_factory=PromptSourceConfig)
+    """Prompt source; a list is a mix (`data.source[]`: each entry takes the keys of one
+    source and a `weight`): `data.num_prompts` prompts shared by weight, each entry's
+    collected and cached on its own, then interleaved so every shard holds every kind."""
+    num_prompts: int | None = Field(None, ge=1, exclude_if=unset)
+    """A mix's prompt count (needed when `source` is a list; a single source sets its own
+    `source.num_prompts`)."""
     max_new_tokens: int = Field(192, ge=1)
     """Response length cap."""
     temperature: float = Field(0.0, ge=0.0)
@@ -128,3 +217,57 @@ class DataConfig(StrictModel):
     cache_dir: str | None = None
     """Where cached datasets live; None = `$DRAFTLAB_CACHE/data`. Must be shared storage
     on a multi-node cluster."""
+
+    @model_validator(mode="after")
+    def _mix(self) -> DataConfig:
+        if not isinstance(self.source, list):
+            if self.num_prompts is not None:
+                raise ValueError(
+                    "num_prompts is a mix's total (source as a list); one source sets "
+                    "source.num_prompts"
+                )
+            return self
+        if not self.source:
+            raise ValueError("source: an empty list (give one source or several)")
+        if self.num_prompts is None:
+            raise ValueError("source is a list (a mix): set data.num_prompts, the total")
+        counts = self.mix_counts()
+        if 0 in counts:
+            raise ValueError(
+                f"source[{counts.index(0)}]: its weight gets no prompt of data.num_prompts = "
+                f"{self.num_prompts}"
+            )
+        return self
+
+    def mix_counts(self) -> list[int]:
+        """Each source's prompt count: `num_prompts` split by weight (largest remainder)."""
+        if not isinstance(self.source, list):
+            return [self.source.num_prompts]
+        weights = [e.weight for e in self.source]
+        shares = [self.num_prompts * w / sum(weights) for w in weights]
+        counts = [int(s) for s in shares]
+        by_remainder = sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])
+        for i in by_remainder[: self.num_prompts - sum(counts)]:
+            counts[i] += 1
+        return counts
+
+    @property
+    def sources(self) -> list[PromptSourceConfig]:
+        """The prompt sources, each with its own `num_prompts` (a mix's share)."""
+        if not isinstance(self.source, list):
+            return [self.source]
+        return [
+            PromptSourceConfig.model_validate(
+                e.model_dump(exclude={"weight", "num_prompts"}) | {"num_prompts": n}
+            )
+            for e, n in zip(self.source, self.mix_counts(), strict=True)
+        ]
+
+    @property
+    def total_prompts(self) -> int:
+        return sum(self.mix_counts())
+
+    @property
+    def seed(self) -> int:
+        """The seed of the train/eval split and sampled responses (the first source's)."""
+        return self.sources[0].seed

@@ -236,6 +236,22 @@ class DistillConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _documents_fit_the_sequence(self) -> DistillConfig:
+        """Training cuts samples at `train.max_seq_len`: a document-grounded prompt must leave
+        room for its response, or its sample would train on the prompt alone."""
+        for i, src in enumerate(self.data.sources):
+            need = src.prompt_token_limit + self.data.max_new_tokens
+            if src.documents and need > self.train.max_seq_len:
+                where = f"data.source[{i}]" if isinstance(self.data.source, list) else "data.source"
+                raise ValueError(
+                    f"{where}: document-grounded prompts of up to {src.prompt_token_limit} tokens "
+                    f"plus data.max_new_tokens = {self.data.max_new_tokens} exceed "
+                    f"train.max_seq_len = {self.train.max_seq_len}: raise train.max_seq_len "
+                    "or lower document_tokens / max_prompt_tokens"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _cache_what_the_drafter_fuses(self) -> DistillConfig:
         if drafter_family(self.drafter.family).uses_aux_features and self.data.aux_layers is None:
             self.data.aux_layers = self.drafter.aux_layers or "eagle3"

@@ -49,17 +49,42 @@ FORMAT_VERSION = 1
 """Bump when the stored columns or their meaning change: old caches are then ignored."""
 
 
-def _source_stamp(source: PromptSourceConfig) -> list | None:
-    """Sizes and mtimes of a local source file/dir, so editing it invalidates the cache."""
-    if source.kind != "dataset" or not source.path:
+def _path_stamp(path: str | None) -> list | None:
+    """Sizes and mtimes of a local file/dir, so editing it invalidates the cache (None: a hub
+    name, or no path)."""
+    if not path:
         return None
-    path = Path(source.path).expanduser()
+    path = Path(path).expanduser()
     if path.is_file():
         return [[path.name, path.stat().st_size, path.stat().st_mtime_ns]]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         return [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    return None  # a hub name
+    return None
+
+
+def _source_stamp(source: PromptSourceConfig) -> list | None:
+    """`_path_stamp` of a dataset source's file, or of a magpie source's document corpus
+    (under a key of its own: older keys stay valid)."""
+    if source.kind == "dataset":
+        return _path_stamp(source.path)
+    docs = _path_stamp(source.documents)
+    return None if docs is None else [["documents", docs]]
+
+
+def _source_inputs(data: DataConfig) -> dict:
+    """The prompt sources' part of the key: one source as before, a mix as its entries and
+    total."""
+    if not isinstance(data.source, list):
+        return {
+            "source": data.source.model_dump(mode="json"),
+            "source_files": _source_stamp(data.source),
+        }
+    return {
+        "source": [e.model_dump(mode="json") for e in data.source],
+        "source_files": [_source_stamp(e) for e in data.source],
+        "num_prompts": data.num_prompts,
+    }
 
 
 def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
@@ -68,8 +93,7 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
         {
             "format": FORMAT_VERSION,
             "target": target_fingerprint,
-            "source": data.source.model_dump(mode="json"),
-            "source_files": _source_stamp(data.source),
+            **_source_inputs(data),
             "max_new_tokens": data.max_new_tokens,
             "temperature": data.temperature,
             "top_p": data.top_p,
@@ -82,12 +106,22 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
             if writers(data) != {"hf"}
             else {}
         )
+        | ({"magpie_turns": MAGPIE_TURNS} if _magpie(data) else {})
     )
+
+
+MAGPIE_TURNS = 2
+"""The magpie stream's layout in keys: 2 = turn i opens with seed i (1, unstamped: every
+turn of a sampling batch with the batch's seed, so a large batch used few seeds)."""
+
+
+def _magpie(data: DataConfig) -> bool:
+    return any(s.kind == "magpie" for s in data.sources)
 
 
 def writers(data: DataConfig) -> set[str]:
     """The generators `data` starts (magpie prompts, then responses)."""
-    return {data.generator} | ({data.prompt_generator} if data.source.kind == "magpie" else set())
+    return {data.generator} | ({data.prompt_generator} if _magpie(data) else set())
 
 
 def _digest(inputs: dict) -> str:
@@ -155,22 +189,40 @@ def write_json_atomic(dest: Path, obj) -> None:
     os.replace(tmp, dest)
 
 
-def prompts_cache_file(data: DataConfig, target_fingerprint: str) -> Path:
-    """Where the prompt stream of this source is cached, apart from any generation setting
-    and from `source.num_prompts`: changing `max_new_tokens` or `temperature` reuses the
-    prompts (magpie ones are costly), and a larger `num_prompts` extends them."""
-    inputs = _prompt_inputs(data, target_fingerprint)
+def prompts_cache_file(
+    data: DataConfig, target_fingerprint: str, source: PromptSourceConfig | None = None
+) -> Path:
+    """Where the prompt stream of `source` (one of `data.sources`; None = the only one) is
+    cached, apart from any
+    generation setting and from `source.num_prompts`: changing `max_new_tokens` or
+    `temperature` reuses the prompts (magpie ones are costly), a larger `num_prompts`
+    extends them, and a mix shares each entry's list with that source alone."""
+    inputs = _prompt_inputs(data, _one(data, source), target_fingerprint)
     inputs["source"] = _without_count(inputs["source"])
     return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
 
 
-def _prompt_inputs(data: DataConfig, target_fingerprint: str) -> dict:
-    keys = key_inputs(data, target_fingerprint)
-    inputs = {name: keys[name] for name in ("format", "target", "source", "source_files")}
-    magpie = data.source.kind == "magpie"
+def _one(data: DataConfig, source: PromptSourceConfig | None) -> PromptSourceConfig:
+    if source is not None:
+        return source
+    if isinstance(data.source, list):
+        raise ValueError("a mix caches a prompt list per source: name the source")
+    return data.source
+
+
+def _prompt_inputs(data: DataConfig, source: PromptSourceConfig, target_fingerprint: str) -> dict:
+    inputs = {
+        "format": FORMAT_VERSION,
+        "target": target_fingerprint,
+        "source": source.model_dump(mode="json"),
+        "source_files": _source_stamp(source),
+    }
+    magpie = source.kind == "magpie"
     inputs["magpie_batch_size"] = data.batch_size if magpie else None
     if magpie and data.prompt_generator != "hf":  # older keys stay valid
         inputs["generator"] = data.prompt_generator
+    if magpie:
+        inputs["magpie_turns"] = MAGPIE_TURNS
     return inputs
 
 
@@ -178,28 +230,35 @@ def _without_count(source: dict) -> dict:
     return {name: value for name, value in source.items() if name != "num_prompts"}
 
 
-def stored_prompts(data: DataConfig, target_fingerprint: str) -> PromptList | None:
-    """The cached prompt list of this source (possibly shorter or longer than asked).
+def stored_prompts(
+    data: DataConfig, target_fingerprint: str, source: PromptSourceConfig | None = None
+) -> PromptList | None:
+    """The cached prompt list of `source` (None = the only one; possibly shorter or longer
+    than asked).
 
     A list cached before lists could grow (keyed with its `num_prompts`, no record of
     where its stream stopped) is used when it is exactly the size asked.
     """
-    path = prompts_cache_file(data, target_fingerprint)
+    source = _one(data, source)
+    path = prompts_cache_file(data, target_fingerprint, source)
     if path.is_file():
         saved = json.loads(path.read_text())
         return PromptList(saved["prompts"], saved["consumed"])
-    legacy = (
-        cache_root(data) / "prompts" / f"{_digest(_prompt_inputs(data, target_fingerprint))}.json"
-    )
+    inputs = _prompt_inputs(data, source, target_fingerprint)
+    legacy = cache_root(data) / "prompts" / f"{_digest(inputs)}.json"
     if legacy.is_file():
         prompts = json.loads(legacy.read_text())
-        if len(prompts) == data.source.num_prompts:
+        if len(prompts) == source.num_prompts:
             return PromptList(prompts, consumed=None)
     return None
 
 
-def save_prompts(data: DataConfig, target_fingerprint: str, prompts: PromptList) -> None:
-    write_json_atomic(prompts_cache_file(data, target_fingerprint), dataclasses.asdict(prompts))
+def save_prompts(
+    data: DataConfig, target_fingerprint: str, prompts: PromptList, source: PromptSourceConfig
+) -> None:
+    write_json_atomic(
+        prompts_cache_file(data, target_fingerprint, source), dataclasses.asdict(prompts)
+    )
 
 
 # --- responses reused from a cached dataset of the same stream ----------------------------
@@ -260,7 +319,10 @@ def reuse_donor_shards(
 def _best_donor(
     root: Path, data: DataConfig, target_fingerprint: str, shard_size: int
 ) -> tuple[Path, dict] | None:
-    """The finished dataset of the same stream with the most prompts (see `reuse_donor_shards`)."""
+    """The finished dataset of the same stream with the most prompts (see `reuse_donor_shards`);
+    None for a mix, whose list is no prefix of a larger mix's."""
+    if isinstance(data.source, list):
+        return None
     inputs = key_inputs(data, target_fingerprint)
     want = inputs | {"source": _without_count(inputs["source"])}
     best = None

@@ -71,16 +71,22 @@ def _prompts_and_plan(
 
 
 def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) -> list[str]:
-    """The source's first `num_prompts` prompts: cut from the cached list, or collected (a
-    shorter cached list is extended where its stream stopped) and cached. `target` (a
-    `TargetInfo`) measures them; magpie prompts load the target from `spec` to write them,
-    on the CPU of a CPU-only head node."""
-    cached = stored_prompts(data, target.fingerprint)
-    if cached is not None and len(cached.prompts) >= data.source.num_prompts:
-        logger.info("prompts: reusing the cached list of %d", len(cached.prompts))
-        return cached.prompts[: data.source.num_prompts]
-    start = cached if cached is not None and cached.consumed is not None else None
-    writes = data.source.kind == "magpie"  # the target writes magpie prompts
+    """Each source's first `num_prompts` prompts (a mix's share): cut from its cached list,
+    or collected (a shorter cached list is extended where its stream stopped) and cached;
+    a mix's lists then interleaved (`interleave`). `target` (a `TargetInfo`) measures them;
+    magpie prompts load the target from `spec` to write them, on the CPU of a CPU-only head
+    node, once for all sources."""
+    lists: list[list[str] | None] = []
+    todo = []
+    for source in data.sources:
+        cached = stored_prompts(data, target.fingerprint, source)
+        if cached is not None and len(cached.prompts) >= source.num_prompts:
+            logger.info("prompts: reusing the cached list of %d", len(cached.prompts))
+            lists.append(cached.prompts[: source.num_prompts])
+            continue
+        lists.append(None)
+        todo.append((len(lists) - 1, source, cached))
+    writes = any(source.kind == "magpie" for _, source, _ in todo)  # the target writes them
     if writes:
         target = load_target(
             spec
@@ -92,16 +98,31 @@ def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) 
         if writes
         else contextlib.nullcontext(None) as writer
     ):
-        got = sources.collect_prompts(
-            data.source,
-            target,
-            progress=progress,
-            magpie_batch_size=data.batch_size,
-            writer=writer,
-            start=start,
-        )
-    save_prompts(data, target.fingerprint, got)
-    return got.prompts
+        for i, source, cached in todo:
+            got = sources.collect_prompts(
+                source,
+                target,
+                progress=progress,
+                magpie_batch_size=data.batch_size,
+                writer=writer if source.kind == "magpie" else None,
+                start=cached if cached is not None and cached.consumed is not None else None,
+            )
+            save_prompts(data, target.fingerprint, got, source)
+            lists[i] = got.prompts
+    return interleave(lists)
+
+
+def interleave(lists: list[list[str]]) -> list[str]:
+    """The lists merged so each keeps its order and its share of every stretch: item j of
+    a list of n sits at (j + 0.5) / n of the way (ties: the earlier list first). A prompt
+    in two lists is kept once, where it comes first."""
+    placed = sorted(
+        ((j + 0.5) / len(items), k, text)
+        for k, items in enumerate(lists)
+        for j, text in enumerate(items)
+    )
+    seen: set[str] = set()
+    return [t for _, _, t in placed if not (t in seen or seen.add(t))]
 
 
 def _run_shards(
@@ -193,7 +214,7 @@ def _generate(
     if todo:
         _run_shards(todo, prompts, shard_size, num_shards, data, target_spec, work, progress)
     ds = concat_shards(work, num_shards)
-    dsd = train_eval_split(ds, data.eval_fraction, data.source.seed)
+    dsd = train_eval_split(ds, data.eval_fraction, data.seed)
     meta = dataset_meta(ds, dsd, data, target_spec, fingerprint, len(prompts), shard_size, reused)
     save_atomic(dsd, root / "dataset", extra={"meta.json": meta})
     logger.info(

@@ -19,26 +19,18 @@ import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-import datasets
 import torch
 from tqdm import tqdm
 from transformers import LogitsProcessorList
 
 from draftlab.config import PromptSourceConfig
+from draftlab.data.documents import document_stream
 from draftlab.data.sampling import TopKTopPSampler
+from draftlab.data.tables import describe_source, open_dataset
 
 logger = logging.getLogger(__name__)
 
-# Local files: extension -> `datasets` packaged builder.
-_BUILDERS = {
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-    ".arrow": "arrow",
-}
 _USER_ROLES = ("human", "user")
 # Cut point in the rendered chat template; private-use chars never occur in real templates.
 _SENTINEL = "\ue000draftlab-magpie\ue001"
@@ -81,12 +73,13 @@ def junk_reason(text: str) -> str | None:
 
 
 def reject_reason(text: str, cfg: PromptSourceConfig, tokenizer=None) -> str | None:
-    """Why a (stripped) prompt is dropped: length limits of `cfg`, then `junk_reason`."""
+    """Why a (stripped) prompt is dropped: length limits of `cfg` (its document included),
+    then `junk_reason`."""
     if len(text) < cfg.min_chars:
         return "too short"
     if tokenizer is not None:
         n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if n_tokens > cfg.max_prompt_tokens:
+        if n_tokens > cfg.prompt_token_limit:
             return "too many tokens"
     return junk_reason(text)
 
@@ -144,53 +137,6 @@ class _Collector:
 # --- kind = "dataset" ----------------------------------------------------------------------
 
 
-def _describe(cfg: PromptSourceConfig) -> str:
-    subset = f", subset {cfg.subset!r}" if cfg.subset else ""
-    files = f", data_files {cfg.data_files!r}" if cfg.data_files is not None else ""
-    return f"prompt source {cfg.path!r} (split {cfg.split!r}{subset}{files})"
-
-
-def _open_dataset(cfg: PromptSourceConfig):
-    """A `datasets.Dataset` for a hub name, a local file (builder from its extension), a
-    `save_to_disk` directory, or any other directory `datasets` understands."""
-    if not cfg.path:
-        raise ValueError(
-            "prompt source kind 'dataset' needs source.path (hub name or local file/dir)"
-        )
-    path = Path(cfg.path).expanduser()
-    builder = _BUILDERS.get(path.suffix.lower()) if path.is_file() else None
-    if path.is_file() and builder is None:
-        raise ValueError(
-            f"{_describe(cfg)}: unsupported file type {path.suffix!r}; "
-            f"use one of {sorted(_BUILDERS)} or a directory"
-        )
-    if path.is_file() and cfg.data_files is not None:
-        raise ValueError(
-            f"{_describe(cfg)}: source.data_files picks files of a hub repo or directory, not of a "
-            "file"
-        )
-    try:
-        if builder is not None:
-            # The file *is* the split named in the config, so slices like `train[:100]` work.
-            files = {re.match(r"\w*", cfg.split).group(0) or "train": str(path)}
-            return datasets.load_dataset(builder, data_files=files, split=cfg.split)
-        if path.is_dir() and (
-            (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-        ):
-            loaded = datasets.load_from_disk(str(path))
-            return loaded[cfg.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return datasets.load_dataset(
-            str(path) if path.is_dir() else cfg.path,
-            cfg.subset,
-            split=cfg.split,
-            data_files=cfg.data_files,
-        )
-    except (
-        Exception
-    ) as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError...)
-        raise ValueError(f"{_describe(cfg)}: could not load it: {type(e).__name__}: {e}") from e
-
-
 def _turn_text(turn: dict) -> str | None:
     content = turn.get("value", turn.get("content"))
     if isinstance(content, list):  # OpenAI-style parts: [{"type": "text", "text": ...}, ...]
@@ -214,14 +160,14 @@ def first_user_turn(conversation: object) -> str | None:
 
 def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[str | None]:
     """The prompt column's texts from row `first` on."""
-    ds = _open_dataset(cfg)
+    ds = open_dataset(cfg)
     column = cfg.conversations or cfg.field
     if column is None:
-        raise ValueError(f"{_describe(cfg)}: set source.field or source.conversations")
+        raise ValueError(f"{describe_source(cfg)}: set source.field or source.conversations")
     if column not in ds.column_names:
         which = "conversations" if cfg.conversations else "field"
         raise ValueError(
-            f"{_describe(cfg)} has no column {column!r} (source.{which}); "
+            f"{describe_source(cfg)} has no column {column!r} (source.{which}); "
             f"available columns: {ds.column_names}"
         )
     rows = ds.select_columns([column])
@@ -270,11 +216,12 @@ def _magpie_texts(
     cfg: PromptSourceConfig, target, batch_size: int, max_rounds: int, writer=None, first: int = 0
 ) -> Iterator[str]:
     """Sample user turns from the user-turn header, `batch_size` at a time, up to round
-    `max_rounds`; round r opens every turn of its batch with `cfg.magpie_seeds[r % len(seeds)]`.
-    Written by HF `generate` on `target`, or by `writer` (a `VllmEngine`, several rounds per
-    call, turn b of round r seeded with `cfg.seed * 1_000_003 + r * batch_size + b`). The
-    stream starts at its text `first`: the round holding it is written again and its
-    earlier turns skipped (every round is seeded by its index)."""
+    `max_rounds`; turn i of the stream (turn b of round r: i = r * batch_size + b) opens with
+    `cfg.magpie_seeds[i % len(seeds)]`, grounded in document i with `cfg.documents`. Written
+    by HF `generate` on `target`, or by `writer` (a `VllmEngine`, several rounds per call,
+    turn i seeded with `cfg.seed * 1_000_003 + i`). The stream starts at its text `first`:
+    the round holding it is written again and its earlier turns skipped (every round is
+    seeded by its index)."""
     yield from itertools.islice(
         _magpie_rounds(cfg, target, batch_size, first // batch_size, max_rounds, writer),
         first % batch_size,
@@ -289,24 +236,31 @@ def _magpie_rounds(
     tok = target.tokenizer
     header = user_turn_header(tok)
     stop = _end_of_turn_ids(target, tok)
+    docs = document_stream(cfg, target, writer, batch_size) if cfg.documents else None
 
-    def opening(
-        round_: int,
-    ) -> tuple[str, list[int]]:  # the round's opening words, and its start ids
-        words = cfg.magpie_seeds[round_ % len(cfg.magpie_seeds)]
-        return words, tok(header + words, add_special_tokens=False)["input_ids"]
+    def openings(round_: int) -> list[tuple[str, list[int]]]:
+        """The opening words of the round's turns (turn i of the stream takes seed i), and
+        their start ids."""
+        first = round_ * batch_size
+        seeds = cfg.magpie_seeds
+        words = [seeds[i % len(seeds)] for i in range(first, first + batch_size)]
+        if docs is not None:
+            words = [ground(w, d) for w, d in zip(words, docs(first, batch_size), strict=True)]
+        return [(w, tok(header + w, add_special_tokens=False)["input_ids"]) for w in words]
 
     def turn(words: str, row: list[int]) -> str:
         cut = next((i for i, t in enumerate(row) if t in stop), len(row))
         return words + tok.decode(row[:cut], skip_special_tokens=True)
 
     if writer is not None:
-        per_call = max(1, _VLLM_MAGPIE_REQUESTS // batch_size)
+        # grounded rounds are costly (documents to write, long prompts): one round a call, so
+        # a list that fills up mid-call wastes no other round
+        per_call = 1 if docs is not None else max(1, _VLLM_MAGPIE_REQUESTS // batch_size)
         for first in range(first_round, max_rounds, per_call):
             rounds = range(first, min(first + per_call, max_rounds))
-            starts = [opening(r) for r in rounds]
+            starts = [start for r in rounds for start in openings(r)]
             rows = writer.generate_many(
-                [ids for _, ids in starts for _ in range(batch_size)],
+                [ids for _, ids in starts],
                 cfg.max_prompt_tokens,
                 temperature=cfg.magpie_temperature,
                 top_p=cfg.magpie_top_p,
@@ -317,19 +271,24 @@ def _magpie_rounds(
                     for b in range(batch_size)
                 ],
             )
-            for i, row in enumerate(rows):
-                yield turn(starts[i // batch_size][0], row)
+            for (words, _), row in zip(starts, rows, strict=True):
+                yield turn(words, row)
         return
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
     for round_ in range(first_round, max_rounds):
-        words, start = opening(round_)
-        ids = torch.tensor([start] * batch_size, device=target.device)  # (B, P), no padding needed
+        starts = openings(round_)
+        width = max(len(ids) for _, ids in starts)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)  # (B, W), left-padded
+        mask = torch.zeros_like(ids)  # (B, W), 1 = real token
+        for b, (_, start) in enumerate(starts):
+            ids[b, width - len(start) :] = torch.tensor(start)
+            mask[b, width - len(start) :] = 1
         with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
             torch.manual_seed(cfg.seed * 1_000_003 + round_)
             out = target.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
+                ids.to(target.device),
+                attention_mask=mask.to(target.device),
                 do_sample=False,  # the sampler runs in the greedy loop (fast on CPU)
                 logits_processor=LogitsProcessorList(
                     [TopKTopPSampler(cfg.magpie_temperature, cfg.magpie_top_p)]
@@ -337,9 +296,17 @@ def _magpie_rounds(
                 max_new_tokens=cfg.max_prompt_tokens,
                 eos_token_id=stop,
                 pad_token_id=pad,
-            )  # (B, P + new)
-        for row in out[:, len(start) :].tolist():
+            )  # (B, W + new)
+        for (words, _), row in zip(starts, out[:, width:].tolist(), strict=True):
             yield turn(words, row)
+
+
+def ground(opening: str, document: str) -> str:
+    """A document-grounded opening: `{document}` replaced, or the document after the words
+    (a request that comes first: "Translate the following text into")."""
+    if "{document}" in opening:
+        return opening.replace("{document}", document)
+    return f"{opening}\n\n{document}\n\n" if opening else document
 
 
 # --- entry point ---------------------------------------------------------------------------
@@ -388,14 +355,14 @@ def collect_prompts(
     bar = tqdm(
         total=cfg.num_prompts,
         initial=len(collector.prompts),
-        desc=f"prompts ({cfg.kind})",
+        desc=f"prompts ({cfg.kind}{f', documents {cfg.documents}' if cfg.documents else ''})",
         unit="prompt",
         disable=not progress,
     )
     with bar:
         if cfg.kind == "dataset":
             _collect(_dataset_texts(cfg, collector.consumed), collector, bar)
-            where = _describe(cfg)
+            where = describe_source(cfg)
         else:
             rounds = magpie_max_rounds or 4 * math.ceil(cfg.num_prompts / magpie_batch_size) + 2
             texts = _magpie_texts(

@@ -96,7 +96,7 @@ def registered_name(cfg: DistillConfig) -> str:
 
 def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
     """Generate or reuse the data, train with Ray Train, log to MLflow, register the drafter."""
-    check_hub_access(cfg.target, cfg.data.source)
+    check_hub_access(cfg.target, cfg.data)
     ensure_ray()
     t0 = time.perf_counter()
     data = load_or_generate(cfg.data, cfg.target, progress=progress)

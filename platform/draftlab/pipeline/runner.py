@@ -338,7 +338,7 @@ def float32_note(target: TargetSpec) -> str | None:
 def run_pipeline(path: str | Path, overrides: dict | None = None, progress: bool = True) -> dict:
     """Run (or continue) the pipeline of `path`; returns the summary."""
     p = load_pipeline(path, overrides)
-    check_hub_access(p.distill.target, p.distill.data.source)
+    check_hub_access(p.distill.target, p.distill.data)
     note = float32_note(p.distill.target)
     if note and progress:
         print(note, flush=True)

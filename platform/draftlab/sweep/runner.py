@@ -207,7 +207,7 @@ def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = Tr
     """Run an already loaded sweep (`load_sweep`, or built by `draftlab pipeline`)."""
     exp_dir, trainings = _paths(base, sweep.name)
     cfg = trial_config(base, {})
-    check_hub_access(cfg.target, cfg.data.source)
+    check_hub_access(cfg.target, cfg.data)
     ensure_ray()
     data = load_or_generate(cfg.data, cfg.target, progress=progress)  # cached: never per trial
     data_path = str(Path(data["train"].cache_files[0]["filename"]).parent.parent)
