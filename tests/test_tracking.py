@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from draftlab.config import DataConfig
 from draftlab.tracking import (
     MAX_PARAM_VAL_LENGTH,
     ParamConflictError,
@@ -62,12 +63,17 @@ def test_import_is_cheap_and_limits_match_mlflow():
 
 
 def test_flatten_redact_truncate():
-    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None, "f": {}}) == {
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None, "f": {}, "g": []}) == {
         "a.b": "1",
         "a.c.d": "[1, 2]",
         "e": "None",
         "f": "{}",
+        "g": "[]",
     }
+    mix = DataConfig(source=[{"weight": 2}, {"documents": "self"}], num_prompts=8)
+    flat = flatten({"data": mix})
+    assert flat["data.source.0.weight"] == "2.0" and flat["data.source.1.documents"] == "self"
+    assert flat["data.num_prompts"] == "8" and "data.source" not in flat
     for secret in [
         "key",
         "api_key",

@@ -28,7 +28,9 @@ class ParamConflictError(ValueError):
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """`{"a": {"b": 1}, "c": [1, 2]}` -> `{"a.b": "1", "c": "[1, 2]"}` (pydantic models too)."""
+    """`{"a": {"b": 1}, "c": [1, 2]}` -> `{"a.b": "1", "c": "[1, 2]"}` (pydantic models too);
+    a list of sections gets a key per item: `{"s": [{"k": 1}]}` -> `{"s.0.k": "1"}` (a mix of
+    prompt sources)."""
     if hasattr(d, "model_dump"):
         d = d.model_dump()
     out: dict[str, str] = {}
@@ -38,6 +40,8 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             v = v.model_dump()
         if isinstance(v, Mapping) and v:
             out.update(flatten(v, key + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, Mapping) for x in v):
+            out.update(flatten({str(i): x for i, x in enumerate(v)}, key + "."))
         else:
             out[key] = str(v)
     return out
