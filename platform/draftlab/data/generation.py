@@ -44,10 +44,14 @@ def sample_features(feature_size: int, store_features: bool) -> datasets.Feature
     return datasets.Features(cols)
 
 
-def open_writer(data: DataConfig, target, generator: str) -> contextlib.AbstractContextManager:
+def open_writer(
+    data: DataConfig, target, generator: str, sampled: bool = True
+) -> contextlib.AbstractContextManager:
     """The vLLM engine on `target`'s weights when `generator` (`data.generator` for the
     responses, `data.prompt_generator` for magpie prompts) is `vllm`; None for `hf` (the
-    target's own `generate` writes them)."""
+    target's own `generate` writes them). An engine that may sample with seeds (`sampled`)
+    schedules whole prefills (`VllmEngine.whole_prefills`); a greedy one keeps vLLM's
+    chunked prefill."""
     if generator == "hf":
         return contextlib.nullcontext(None)
 
@@ -62,7 +66,7 @@ def open_writer(data: DataConfig, target, generator: str) -> contextlib.Abstract
         max_num_seqs=data.batch_size,
         reserved_cpus=0,
         memory_setting="data.vllm_memory_fraction",
-        whole_prefills=True,  # seeded sampling (magpie turns, documents) with long prompts
+        whole_prefills=sampled,
     )
 
 
@@ -138,7 +142,9 @@ class ShardGenerator:
         self.target = load_target(TargetSpec.model_validate(target_spec))
         self._stack = contextlib.ExitStack()
         self.writer = self._stack.enter_context(
-            open_writer(self.data, self.target, self.data.generator)
+            open_writer(
+                self.data, self.target, self.data.generator, sampled=self.data.temperature > 0
+            )
         )
 
     def __del__(self):
