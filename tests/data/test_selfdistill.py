@@ -615,6 +615,7 @@ def test_generation_spec_resolves_device_from_use_gpu():
 # --- a mix of sources ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_mix_takes_each_sources_share_interleaved_and_caches_each_list(
     ray_local, data_cfg, tiny, tmp_path, monkeypatch
 ):

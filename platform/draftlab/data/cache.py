@@ -193,10 +193,9 @@ def prompts_cache_file(
     data: DataConfig, target_fingerprint: str, source: PromptSourceConfig | None = None
 ) -> Path:
     """Where the prompt stream of `source` (one of `data.sources`; None = the only one) is
-    cached, apart from any
-    generation setting and from `source.num_prompts`: changing `max_new_tokens` or
-    `temperature` reuses the prompts (magpie ones are costly), a larger `num_prompts`
-    extends them, and a mix shares each entry's list with that source alone."""
+    cached, apart from any generation setting and from `source.num_prompts`: changing
+    `max_new_tokens` or `temperature` reuses the prompts (magpie ones are costly), a larger
+    `num_prompts` extends them, and a mix shares each entry's list with that source alone."""
     inputs = _prompt_inputs(data, _one(data, source), target_fingerprint)
     inputs["source"] = _without_count(inputs["source"])
     return cache_root(data) / "prompts" / f"{_digest(inputs)}.json"

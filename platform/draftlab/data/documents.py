@@ -1,8 +1,9 @@
 """Documents for document-grounded magpie prompts (`source.documents`): the texts that
 summaries, questions over a context (RAG) and translations are about.
 
-Three corpora, each a deterministic stream (document i depends on i alone), so prompt
-lists built on them resume and extend like plain magpie ones:
+Three corpora, each a deterministic stream (document i depends on i and, when HF `generate`
+writes it, on its round), so prompt lists built on them resume and extend like plain magpie
+ones:
 
 * `self`: the target writes them, answering `DOCUMENT_REQUESTS` in turn, sampled at the
   source's magpie temperature with a seed per document;
@@ -26,8 +27,8 @@ SELF, PYTHON_DOCS = "self", "python-docs"
 
 
 def cut_to_tokens(text: str, tokenizer, limit: int) -> str:
-    """`text` cut to at most `limit` tokens, at the last paragraph or line end that fits
-    (mid-line only when the first line alone is longer)."""
+    """`text` cut to at most `limit` tokens: at the last paragraph, line or sentence end in the
+    last two thirds of what fits, else where the tokens end."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= limit:
         return text.strip()
@@ -91,7 +92,8 @@ def document_stream(
     A corpus is cut into passages and shuffled by `cfg.seed` (document i is passage
     i mod their count: a corpus smaller than the prompts asked for is used again, with other
     openings); `self` documents are written on demand by `writer` (a `VllmEngine`) or the
-    target's HF `generate`, document i seeded by `cfg.seed` and i."""
+    target's HF `generate` (a round's documents seeded by `cfg.seed` and its first index; a
+    `writer` seeds each by its own)."""
     limit = cfg.doc_tokens
     if cfg.documents != SELF:
         passages = _passages(_corpus_texts(cfg), target.tokenizer, limit)

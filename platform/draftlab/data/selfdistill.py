@@ -121,8 +121,7 @@ def interleave(lists: list[list[str]]) -> list[str]:
         for k, items in enumerate(lists)
         for j, text in enumerate(items)
     )
-    seen: set[str] = set()
-    return [t for _, _, t in placed if not (t in seen or seen.add(t))]
+    return list(dict.fromkeys(text for _, _, text in placed))
 
 
 def _run_shards(
