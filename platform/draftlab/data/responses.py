@@ -57,12 +57,8 @@ def _hf_responses(
     rows: list[list[int]] = []
     for start in range(0, len(prompt_ids), data.batch_size):
         chunk = prompt_ids[start : start + data.batch_size]
-        width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # (B, W), left-padded
-        mask = torch.zeros_like(ids)  # (B, W), 1 = real token
-        for row, p in enumerate(chunk):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
+        ids, mask = left_padded(chunk, pad)  # (B, W) each
+        width = ids.shape[1]
         with torch.random.fork_rng(devices=devices):  # seeded, global RNG untouched
             torch.manual_seed(seed + start)
             out = target.model.generate(
@@ -76,3 +72,15 @@ def _hf_responses(
             )  # (B, W + new)
         rows += out[:, width:].tolist()
     return rows
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows as one left-padded batch for HF `generate`: ids (B, W) and the attention
+    mask (B, W), 1 on real tokens."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, W)
+    mask = torch.zeros_like(ids)  # (B, W)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return ids, mask

@@ -26,6 +26,7 @@ from transformers import LogitsProcessorList
 
 from draftlab.config import PromptSourceConfig
 from draftlab.data.documents import document_stream
+from draftlab.data.responses import left_padded
 from draftlab.data.sampling import TopKTopPSampler
 from draftlab.data.tables import describe_source, open_dataset
 
@@ -278,12 +279,8 @@ def _magpie_rounds(
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
     for round_ in range(first_round, max_rounds):
         starts = openings(round_)
-        width = max(len(ids) for _, ids in starts)
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)  # (B, W), left-padded
-        mask = torch.zeros_like(ids)  # (B, W), 1 = real token
-        for b, (_, start) in enumerate(starts):
-            ids[b, width - len(start) :] = torch.tensor(start)
-            mask[b, width - len(start) :] = 1
+        ids, mask = left_padded([start for _, start in starts], pad)  # (B, W) each
+        width = ids.shape[1]
         with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
             torch.manual_seed(cfg.seed * 1_000_003 + round_)
             out = target.model.generate(
