@@ -87,6 +87,20 @@ def test_the_chain_of_the_final_bench_fits_the_drafter(tmp_path):
     assert load_yaml(DistillConfig, f, {"bench.chain_depth": "tree"}).bench.chain_depth == "tree"
 
 
+def test_streamed_features_are_not_cached(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("drafter: {family: p-eagle}\ntrain: {feature_stream: {actors: 2}}\n")
+    cfg = load_yaml(DistillConfig, f)
+    assert cfg.train.feature_stream.actors == 2 and not cfg.data.store_features
+    assert cfg.data.aux_layers == "eagle3"  # the stream computes what the family fuses
+    again = DistillConfig.model_validate(cfg.model_dump())  # the worker's payload round trip
+    assert again == cfg
+    with pytest.raises(ConfigError, match=r"data.store_features=true would cache them as well"):
+        load_yaml(DistillConfig, f, {"data.store_features": "true"})
+    with pytest.raises(ConfigError, match=r"train.feature_stream.buffer_mb"):
+        load_yaml(DistillConfig, f, {"train.feature_stream.buffer_mb": "0"})
+
+
 def _literal_fields(model, prefix=""):
     """(dotted field, allowed values) of every Literal field, nested sections included."""
     from typing import Literal, get_args, get_origin

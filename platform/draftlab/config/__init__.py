@@ -12,8 +12,9 @@ submodule):
     decoding   SamplingParams, NgramSpec
     bench      BenchConfig (with VllmBenchSpec), ProfileConfig, DoctorConfig
     data       PromptSourceConfig, DataConfig: the self-distillation data
-    distill    DistillConfig and its sections (DrafterSpec, TrainConfig, ScalingSpec,
-               TrackingSpec, BenchSpec); drafter families checked against the leaf registry
+    distill    DistillConfig and its sections (DrafterSpec, TrainConfig with FeatureStreamSpec,
+               ScalingSpec, TrackingSpec, BenchSpec); drafter families checked against the
+               leaf registry
     serving    EngineSpec, AutoscalingSpec, ServingCommon, ServeArgs, LoadtestConfig
 
 Importing it loads neither torch nor transformers (checking a job file stays cheap).
@@ -35,6 +36,7 @@ from draftlab.config.distill import (
     BenchSpec,
     DistillConfig,
     DrafterSpec,
+    FeatureStreamSpec,
     ScalingSpec,
     TrackingSpec,
     TrainConfig,
@@ -60,6 +62,7 @@ __all__ = [
     "DistillConfig",
     "DrafterSpec",
     "EngineSpec",
+    "FeatureStreamSpec",
     "LoadtestConfig",
     "NgramSpec",
     "ProfileConfig",

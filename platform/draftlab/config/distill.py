@@ -47,6 +47,30 @@ class DrafterSpec(StrictModel):
         return family
 
 
+class FeatureStreamSpec(StrictModel):
+    """Online teacher features: a pool of Ray Data actors, each holding the frozen target,
+    computes the target's states for each training batch and streams them to the training
+    worker, so no feature cache is written (`data.store_features` is then off). For targets
+    whose cached states do not fit on disk (an 8B target at 8K tokens: ~268 MB a sample);
+    for a small target the cache is cheaper. Each training worker streams its own batches
+    from its saved position (a restart resumes there); a killed actor is restarted and its
+    batch computed again, so no batch is lost or repeated."""
+
+    actors: int = Field(1, ge=1)
+    """Feature actors per training worker (one target copy each)."""
+    cpus_per_actor: float = Field(1.0, gt=0.0)
+    """CPUs reserved per feature actor (also its torch threads, at least 1)."""
+    gpus_per_actor: float = Field(0.0, ge=0.0)
+    """GPUs per feature actor (the target then runs on CUDA)."""
+    prefetch_batches: int = Field(2, ge=1)
+    """Batches of features the training worker keeps ready ahead of the step."""
+    buffer_mb: float = Field(1024.0, gt=0.0)
+    """Object-store memory the stream may fill with computed features beyond those (Ray
+    Data's budget for it): with the batches the actors are computing, the bound on a
+    stream's memory. Past it the actors wait (back-pressure); one batch always flows, however
+    large."""
+
+
 class TrainConfig(StrictModel):
     """Optimisation."""
 
@@ -115,6 +139,9 @@ class TrainConfig(StrictModel):
     0 = build each batch in the training loop. The batches are the same either way."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads per worker (None = torch's default)."""
+    feature_stream: FeatureStreamSpec | None = None
+    """Stream the target's features from Ray Data actors instead of caching them with the
+    data (None = the cache, or the worker's own target when `data.store_features` is off)."""
 
 
 class ScalingSpec(StrictModel):
@@ -249,6 +276,18 @@ class DistillConfig(StrictModel):
                     f"train.max_seq_len = {self.train.max_seq_len}: raise train.max_seq_len "
                     "or lower document_tokens / max_prompt_tokens"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _streamed_features_are_not_cached(self) -> DistillConfig:
+        if self.train.feature_stream is None:
+            return self
+        if "store_features" in self.data.model_fields_set and self.data.store_features:
+            raise ValueError(
+                "train.feature_stream computes the target's features while training: "
+                "data.store_features=true would cache them as well; leave it unset or false"
+            )
+        self.data.store_features = False
         return self
 
     @model_validator(mode="after")

@@ -56,6 +56,19 @@ class Batch:
         return int((self.loss_mask & (self.depth == 0)).sum())
 
 
+def row_ids(sample: dict, max_seq_len: int) -> torch.Tensor:
+    """(L,) a sample's token ids as training reads them: cut at `max_seq_len`."""
+    return torch.as_tensor(sample["input_ids"], dtype=torch.long)[:max_seq_len]
+
+
+def right_padded(seqs: list[torch.Tensor]) -> torch.Tensor:
+    """(B, L) the (L_b,) sequences right-padded with 0 to the longest: a batch's input ids."""
+    out = torch.zeros(len(seqs), max(s.numel() for s in seqs), dtype=torch.long)  # (B, L)
+    for b, s in enumerate(seqs):
+        out[b, : s.numel()] = s
+    return out
+
+
 def collate(
     samples: list[dict],
     k: int,
@@ -75,7 +88,7 @@ def collate(
     """
     layouts, seqs = [], []
     for s in samples:
-        ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[:max_seq_len]  # (L,)
+        ids = row_ids(s, max_seq_len)  # (L,)
         if ids.numel() < 3:
             raise ValueError("training sequences need at least 3 tokens (prompt + response)")
         seqs.append(ids)
@@ -87,9 +100,9 @@ def collate(
                 ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator, first_anchor=first
             )
         )
-    B, L = len(samples), max(s.numel() for s in seqs)
+    input_ids = right_padded(seqs)  # (B, L)
+    B, L = input_ids.shape
     M = max(lay.num_nodes for lay in layouts)
-    input_ids = torch.zeros(B, L, dtype=torch.long)
     fields = {
         n: torch.zeros(B, M, dtype=torch.long)
         for n in ("node_token", "node_anchor", "depth", "position_ids", "teacher_idx", "label")
@@ -97,8 +110,7 @@ def collate(
     mask_idx = torch.full((B, M), -1, dtype=torch.long)
     loss_mask = torch.zeros(B, M, dtype=torch.bool)
     for b, (s, ids, lay) in enumerate(zip(samples, seqs, layouts, strict=True)):
-        n, m = ids.numel(), lay.num_nodes
-        input_ids[b, :n] = ids
+        m = lay.num_nodes
         entries = ids[1:]  # (L-1,) entry tokens x_1..x_{L-1}
         has_label = lay.label_index >= 0  # (m,)
         teacher = lay.label_index.clamp(min=0)  # (m,) entry index a+d+1 == state index

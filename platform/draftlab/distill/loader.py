@@ -97,7 +97,9 @@ class TrainStream(IterableDataset):
         self.epoch, self.start, self.generator = epoch, start, generator
         self.lengths = row_lengths(data, train.max_seq_len) if train.length_window else None
 
-    def __iter__(self) -> Iterator[Step]:
+    def plans(self) -> Iterator[tuple[int, int, int, list[int]]]:
+        """(epoch, batch index, batches in the epoch, row ids) of every remaining batch, in
+        order: what `__iter__` collates, and what a feature stream computes features for."""
         t = self.train
         for epoch in range(self.epoch, t.epochs):
             batches = epoch_batches(
@@ -111,16 +113,25 @@ class TrainStream(IterableDataset):
                 t.length_window,
             )
             for i in range(self.start if epoch == self.epoch else 0, len(batches)):
-                rows = [self.data[j] for j in batches[i]]
-                batch = collate(
-                    rows,
-                    self.k,
-                    t.max_seq_len,
-                    t.drop_tokens,
-                    self.generator,
-                    loss_on_prompt=t.loss_on_prompt,
-                )
-                yield Step(epoch, i, len(batches), batch)
+                yield epoch, i, len(batches), batches[i]
+
+    def collate(self, row_ids: list[int]) -> Batch:
+        """The batch of these rows (drawing the drop-token layout from the stream's generator:
+        call in stream order)."""
+        t = self.train
+        rows = [self.data[j] for j in row_ids]
+        return collate(
+            rows,
+            self.k,
+            t.max_seq_len,
+            t.drop_tokens,
+            self.generator,
+            loss_on_prompt=t.loss_on_prompt,
+        )
+
+    def __iter__(self) -> Iterator[Step]:
+        for epoch, i, count, row_ids in self.plans():
+            yield Step(epoch, i, count, self.collate(row_ids))
 
 
 def _as_is(step: Step) -> Step:

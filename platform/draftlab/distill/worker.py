@@ -3,7 +3,8 @@ named phases (`DistillRecipe`): setup, then step after step with evaluate and ch
 their cadences, then finalize.
 
 Each worker loads the frozen target (embeddings, head, and the teacher when features are
-not cached), reads the cached self-distillation data, trains its DDP replica (or FSDP shard,
+neither cached nor streamed from feature actors, `train.feature_stream`), reads the cached
+self-distillation data, trains its DDP replica (or FSDP shard,
 `scaling.strategy`) on its share of the batches, and reports a checkpoint (drafter +
 optimizer + step + data position) every N steps. Held-out evaluation is sharded across the
 ranks too (every rank computes the same totals; `distill.evaluation`). Rank 0 then finishes
@@ -38,6 +39,7 @@ from draftlab.distill.evaluation import (
     evaluate,
     weights_digest,
 )
+from draftlab.distill.feature_stream import streamed_steps
 from draftlab.distill.finalize import finish
 from draftlab.distill.loader import Step, TrainStream, batch_stream, epoch_batches
 from draftlab.distill.objective import DistillModule, Stats, loss_and_backward, teacher_states
@@ -174,7 +176,17 @@ class DistillRecipe:
         stream = TrainStream(
             self.train_set, self.k, cfg, self.rank, self.world, state.epoch, state.batch, gen
         )
-        self.batches = batch_stream(stream, self.device, cfg.prefetch)
+        if cfg.feature_stream:  # the target's features from Ray Data actors, not a cache
+            self.batches = streamed_steps(
+                stream,
+                cfg.feature_stream,
+                self.cfg.target,
+                self.payload.data_path,
+                self.drafter.cfg.aux_layers or [],
+                self.device,
+            )
+        else:
+            self.batches = batch_stream(stream, self.device, cfg.prefetch)
         self.tokens0 = state.tokens
         self.t_start, self.elapsed0 = time.perf_counter(), state.elapsed_s
         self.elapsed = self.elapsed0
