@@ -90,13 +90,19 @@ class Pipeline:
             spec["args"].model_dump(exclude_unset=True),
             {"model_uri": model_uri, "tracking_uri": tracking_uri}
             | dotted(self.cfg.serve.overrides)
+            | (dotted(self.cfg.serve.vllm_overrides) if deploy is not None else {})
             | (deploy or {}),
         )
         try:
             args = model.model_validate(data)
         except ValidationError as e:
             raise ConfigError(
-                format_validation_error(e, f"{self.source}: serve.overrides", model)
+                format_validation_error(
+                    e,
+                    f"{self.source}: serve.overrides"
+                    + ("" if deploy is None else " / serve.vllm_overrides"),
+                    model,
+                )
             ) from None
         return spec | {"args": args}
 
@@ -145,4 +151,6 @@ def load_pipeline(path: str | Path, overrides: dict | None = None) -> Pipeline:
     )
     pipeline = Pipeline(cfg, source, distill, sweep, trial_base, serve, serve_vllm)
     pipeline.serve_spec("models:/check@champion", "sqlite:///check.db")  # checks the overrides
+    if serve_vllm is not None:
+        pipeline.serve_spec("models:/check@champion", "sqlite:///check.db", deploy={})
     return pipeline

@@ -85,6 +85,9 @@ class ServeStage(StrictModel):
     configuration (method, k, lookups, batch-size schedule) is set on it."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Dotted ServeArgs fields, e.g. autoscaling.max_replicas: 1."""
+    vllm_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Dotted fields set on the vLLM Serve config alone (`vllm_config`), after `overrides`,
+    e.g. enforce_eager: true."""
     host: str | None = None
     """HTTP host (None = the Serve config's)."""
     port: int | None = Field(None, ge=1, le=65535)
