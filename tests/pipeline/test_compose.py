@@ -197,9 +197,15 @@ def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
     assert (
         args.model_uri == "models:/d@champion" and args.autoscaling.max_replicas == 1
     )  # serve.overrides
+    assert args.enforce_eager  # serve.vllm_overrides: on the vLLM config alone
     assert (
         type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
     )
+    with pytest.raises(ConfigError, match=r"(?s)serve.vllm_overrides.*enforce_eagre: unknown key"):
+        load_pipeline(
+            ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml",
+            {"serve.vllm_overrides.enforce_eagre": "true"},
+        )
     with pytest.raises(ConfigError, match="schedule"):
         p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy | {"schedule": [[2, 8, 3]]})
     tiny = load_pipeline(ROOT / "jobs/configs/pipeline-tiny-quick.yaml")  # compare.engine: draftlab
