@@ -32,26 +32,28 @@ from draftlab.distill.loader import epoch_batches
 from draftlab.distill.tree_select import choose_tree_for_run
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
 from draftlab.models.target import load_target
+from ray_support import no_state_api
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "object_store_memory": 150 * 1024**2,
-            "include_dashboard": False,
-        },
-    )
-    nodes = [c.add_node(num_cpus=1, object_store_memory=100 * 1024**2) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    with no_state_api():  # Train's placement-group cleaner must not ask another test's dashboard
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "object_store_memory": 150 * 1024**2,
+                "include_dashboard": False,
+            },
+        )
+        nodes = [c.add_node(num_cpus=1, object_store_memory=100 * 1024**2) for _ in range(2)]
+        c.wait_for_nodes()
+        ray.init(address=c.address)
+        yield c, nodes
+        ray.shutdown()
+        c.shutdown()
 
 
 TWO_NODES = ScalingSpec(num_workers=2, cpus_per_worker=1, placement_strategy="STRICT_SPREAD")

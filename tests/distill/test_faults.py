@@ -33,6 +33,7 @@ from draftlab.distill.launch import run_distill
 from draftlab.models.drafters.build import init_drafter
 from draftlab.tracking import Tracker, TrackingUnavailable
 from mlflow_server import MlflowServer
+from ray_support import no_state_api
 
 # 12 training samples -> 6 batches of 2 per epoch (tiny_config's data).
 STEPS_PER_EPOCH = 6
@@ -325,21 +326,23 @@ def test_resume_falls_back_to_an_older_verified_checkpoint_or_fails_clearly(tiny
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head without CPUs (it hosts the driver and Train's controller), one 2-CPU worker node."""
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "object_store_memory": 150 * 1024**2,
-            "include_dashboard": False,
-        },
-    )
-    c.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    """Head without CPUs (it hosts the driver and Train's controller), one 2-CPU worker node.
+    Nodes added later (the node-loss test) start inside `no_state_api` too."""
+    with no_state_api():
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": 150 * 1024**2,
+                "include_dashboard": False,
+            },
+        )
+        c.add_node(num_cpus=2, object_store_memory=100 * 1024**2)
+        c.wait_for_nodes()
+        ray.init(address=c.address)
+        yield c
+        ray.shutdown()
+        c.shutdown()
 
 
 @pytest.fixture(scope="module")
