@@ -61,14 +61,6 @@ def row_ids(sample: dict, max_seq_len: int) -> torch.Tensor:
     return torch.as_tensor(sample["input_ids"], dtype=torch.long)[:max_seq_len]
 
 
-def right_padded(seqs: list[torch.Tensor]) -> torch.Tensor:
-    """(B, L) the (L_b,) sequences right-padded with 0 to the longest: a batch's input ids."""
-    out = torch.zeros(len(seqs), max(s.numel() for s in seqs), dtype=torch.long)  # (B, L)
-    for b, s in enumerate(seqs):
-        out[b, : s.numel()] = s
-    return out
-
-
 def collate(
     samples: list[dict],
     k: int,
@@ -100,9 +92,9 @@ def collate(
                 ids.numel() - 1, k, drop_tokens=drop_tokens, generator=generator, first_anchor=first
             )
         )
-    input_ids = right_padded(seqs)  # (B, L)
-    B, L = input_ids.shape
+    B, L = len(samples), max(s.numel() for s in seqs)
     M = max(lay.num_nodes for lay in layouts)
+    input_ids = torch.zeros(B, L, dtype=torch.long)
     fields = {
         n: torch.zeros(B, M, dtype=torch.long)
         for n in ("node_token", "node_anchor", "depth", "position_ids", "teacher_idx", "label")
@@ -110,7 +102,8 @@ def collate(
     mask_idx = torch.full((B, M), -1, dtype=torch.long)
     loss_mask = torch.zeros(B, M, dtype=torch.bool)
     for b, (s, ids, lay) in enumerate(zip(samples, seqs, layouts, strict=True)):
-        m = lay.num_nodes
+        n, m = ids.numel(), lay.num_nodes
+        input_ids[b, :n] = ids
         entries = ids[1:]  # (L-1,) entry tokens x_1..x_{L-1}
         has_label = lay.label_index >= 0  # (m,)
         teacher = lay.label_index.clamp(min=0)  # (m,) entry index a+d+1 == state index
