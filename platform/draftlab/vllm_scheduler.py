@@ -137,7 +137,13 @@ def request_k(extra_args: dict | None) -> int | None:
     """A request's own draft-length cap (`REQUEST_K`), None when it sets none."""
     if not extra_args or extra_args.get(REQUEST_K) is None:
         return None
-    k = int(extra_args[REQUEST_K])
+    value = extra_args[REQUEST_K]
+    try:
+        k = int(value)
+        if isinstance(value, bool | list) or k != float(value):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"{REQUEST_K} must be an integer >= 0, got {value!r}") from None
     if k < 0:
         raise ValueError(f"{REQUEST_K} must be >= 0, got {k}")
     return k

@@ -184,7 +184,9 @@ def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
         "num_speculative_tokens": 4,
         "ngram_min": 2,
         "schedule": [[1, 8, 4], [9, 1024, 0]],
+        "speculate_up_to": 8,
         "target.dtype": "float32",
+        "enforce_eager": False,  # serve.vllm_overrides come last: the user's word wins
     }
     spec = p.serve_spec("models:/d@champion", "sqlite:///m.db", deploy)
     args = spec["args"]
@@ -198,6 +200,12 @@ def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
         args.model_uri == "models:/d@champion" and args.autoscaling.max_replicas == 1
     )  # serve.overrides
     assert args.enforce_eager  # serve.vllm_overrides: on the vLLM config alone
+    assert args.speculate_up_to == 8
+    one_engine = load_pipeline(
+        ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml",
+        {"serve.vllm_overrides.speculate_up_to": None},
+    )
+    assert one_engine.serve_spec("m", "sqlite:///m.db", deploy)["args"].speculate_up_to is None
     assert (
         type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
     )

@@ -3,11 +3,13 @@ LLM, with real Ray, real Serve on 127.0.0.1 and the official `openai` client. On
 module: the `tiny-llama-vllm` preset (tiny-llama with head_dim 64: vLLM's CPU attention takes
 no head size under 32, tiny-llama's is 16) and an untrained `p-eagle` drafter, exported to
 vLLM's layout on the replica (`init:p-eagle`), with prompt lookups merged into its drafts
-(`prompt_lookup: on`, our scheduler inside vLLM's engine core)."""
+(`prompt_lookup: on`, our scheduler inside vLLM's engine core), routed by load
+(`speculate_up_to`) between it and a second engine of the target alone."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -19,11 +21,12 @@ from ray import serve  # noqa: E402
 
 from draftlab.config import NgramSpec  # noqa: E402
 from draftlab.serve.vllm_app import VllmServeArgs, build_vllm_app  # noqa: E402
+from draftlab.serve.vllm_ingress import ROUTE_HEADER  # noqa: E402
 from draftlab.vllm_scheduler import LOOKUP_KEY, SCHEDULER  # noqa: E402
 from serve_support import local_serve, report  # noqa: E402
 
-# Each test's limit covers the module's start (Ray ~10 s + vLLM engine ~50 s, eager, on 2 cores)
-# for whichever test runs first.
+# Each test's limit covers the module's start (Ray ~10 s + two vLLM engines ~70 s, eager, on 2
+# cores) for whichever test runs first.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TARGET, MODEL, KEY, K = "tiny-llama-vllm", "tiny-vllm", "test-key", 3
 startup_s: list[float] = []
@@ -41,6 +44,7 @@ def base_url(tmp_path_factory):
         num_speculative_tokens=K,
         prompt_lookup="on",
         schedule=SCHEDULE,
+        speculate_up_to=2,
         export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"),
         served_model_name=MODEL,
         api_keys=[KEY],
@@ -87,6 +91,41 @@ def test_engine_drafts_with_the_parallel_drafter_and_prompt_lookups(base_url):
     assert [
         tuple(r) for r in spec["num_speculative_tokens_per_batch_size"]
     ] == SCHEDULE  # accepted by vLLM
+    plain = serve.get_deployment_handle(f"LLMServer:target-only:{MODEL}", "vllm")
+    assert "speculative_config" not in plain.llm_config.remote().result(timeout_s=30).engine_kwargs
+
+
+def engine_of(client, **body) -> tuple[str, str]:
+    """(which engine answered, the greedy text) of one chat request."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=12, temperature=0, **body
+    )
+    return raw.headers[ROUTE_HEADER], raw.parse().choices[0].message.content
+
+
+def test_the_router_sends_load_and_uncapped_requests_to_the_target_only_engine(client):
+    """One request in flight: the speculative engine; `draftlab_k: 0`: the target-only engine
+    with the same answer (greedy); while `speculate_up_to` (2) requests are in flight, the next
+    ones go to the target-only engine, and when they are answered it is back to speculating."""
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    alone, text = engine_of(client, messages=messages)
+    capped, same = engine_of(
+        client, messages=messages, extra_body={"vllm_xargs": {"draftlab_k": 0}}
+    )
+    assert (alone, capped) == ("speculative", "target-only") and same == text
+    with ThreadPoolExecutor(8) as pool:
+        engines = [e for e, _ in pool.map(lambda _: engine_of(client, messages=messages), range(8))]
+    assert "target-only" in engines and engines.count("speculative") >= 1
+    assert engine_of(client, messages=messages)[0] == "speculative"  # the count went back to 0
+    streamed = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    assert streamed.headers[ROUTE_HEADER] == "speculative"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices) == text
+    assert engine_of(client, messages=messages)[0] == "speculative"  # the stream left the count
+    with pytest.raises(openai.BadRequestError) as e:
+        engine_of(client, messages=messages, extra_body={"vllm_xargs": {"draftlab_k": "x"}})
+    assert e.value.body["param"] == "vllm_xargs" and "draftlab_k" in e.value.body["message"]
 
 
 def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_server(base_url):

@@ -79,7 +79,8 @@ class Pipeline:
     def serve_spec(self, model_uri: str, tracking_uri: str, deploy: dict | None = None) -> dict:
         """The Serve spec with the champion (`model_uri` in `tracking_uri`'s registry) and,
         on top, `serve.overrides`. `deploy` (the compare stage's vLLM verdict: method, k,
-        lookups, schedule) selects `serve.vllm_config` and is set on it."""
+        lookups, schedule, routing by load) selects `serve.vllm_config` and is set on it, then
+        `serve.vllm_overrides` (the user's word is last)."""
         spec = self.serve if deploy is None else self.serve_vllm
         if spec is None:
             raise ConfigError(
@@ -90,8 +91,8 @@ class Pipeline:
             spec["args"].model_dump(exclude_unset=True),
             {"model_uri": model_uri, "tracking_uri": tracking_uri}
             | dotted(self.cfg.serve.overrides)
-            | (dotted(self.cfg.serve.vllm_overrides) if deploy is not None else {})
-            | (deploy or {}),
+            | (deploy or {})
+            | (dotted(self.cfg.serve.vllm_overrides) if deploy is not None else {}),
         )
         try:
             args = model.model_validate(data)

@@ -86,8 +86,9 @@ class ServeStage(StrictModel):
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Dotted ServeArgs fields, e.g. autoscaling.max_replicas: 1."""
     vllm_overrides: dict[str, Any] = Field(default_factory=dict)
-    """Dotted fields set on the vLLM Serve config alone (`vllm_config`), after `overrides`,
-    e.g. enforce_eager: true."""
+    """Dotted fields set on the vLLM Serve config alone (`vllm_config`), last: after
+    `overrides` and the verdict's configuration, e.g. `enforce_eager: true`, or
+    `speculate_up_to: null` for one engine where the verdict routes by load to a second."""
     host: str | None = None
     """HTTP host (None = the Serve config's)."""
     port: int | None = Field(None, ge=1, le=65535)

@@ -101,6 +101,14 @@ class VllmServeArgs(ServingCommon):
     load levels, `draftlab.verdict`). None = the same k at every batch size. A parallel drafter
     drafts its k or nothing; `suffix` drafts (and is verified on) up to its k or nothing, the
     schedule applied by draftlab's scheduler (vLLM 0.29's suffix proposer takes none)."""
+    speculate_up_to: int | None = Field(None, ge=1)
+    """Route by load: a second LLMServer deployment serves the target alone, and the ingress
+    sends a request there when this many requests are already in flight at its replica, or when
+    the request asks for no drafts (`draftlab_k: 0`, what `draftlab loadtest --speculation off`
+    sends); the rest go to the speculative engine (the response's `x-draftlab-engine` header
+    says which). The pipeline sets it to where its load levels measured target-only vLLM
+    faster (`draftlab.verdict`). On `cpu` the two engines share `num_cpus` (half each reserved:
+    the router keeps one busy at a time). None = the speculative engine serves every request."""
     prompt_lookup: Literal["tree", "on", "off"] = "tree"
     """Prompt lookups merged into the drafter's drafts (`draftlab.vllm_scheduler`: where the
     request's text has an n-gram match, the tokens that followed it are drafted instead):
@@ -171,6 +179,11 @@ class VllmServeArgs(ServingCommon):
                     f"schedule {self.schedule}: [first, last, k] ranges must start at batch size "
                     "1, not overlap, have first <= last and k >= 0"
                 )
+        if self.speculate_up_to is not None and self.speculation == "off":
+            raise ValueError(
+                "speculate_up_to routes between a speculative and a target-only engine: it "
+                "needs speculation: on"
+            )
         if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
             raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
         if self.accelerator_type:
@@ -356,14 +369,30 @@ def llm_config(args: VllmServeArgs):
 
 def build_vllm_app(args: VllmServeArgs) -> Application:
     """The application `serving/*-vllm.yaml` name (`import_path:
-    draftlab.serve.vllm_app:build_vllm_app`)."""
-    from ray.serve.llm import build_openai_app  # noqa: PLC0415 -- imports vLLM (module docstring)
+    draftlab.serve.vllm_app:build_vllm_app`): the ingress and the engine, or with
+    `speculate_up_to` the ingress routing between the speculative engine and a target-only one."""
+    # imports vLLM (module docstring)
+    from ray.serve.llm import build_llm_deployment, build_openai_app  # noqa: PLC0415
 
+    routing = {}
+    if args.speculate_up_to is not None:
+        share = {"num_cpus": args.num_cpus / 2} if args.accelerator == "cpu" else {}
+        args = args.model_copy(update=share)
+        target_only = args.model_copy(
+            update={"speculation": "off", "schedule": None, "speculate_up_to": None}
+        )
+        routing = {
+            "target_only": build_llm_deployment(
+                llm_config(target_only), name_prefix="LLMServer:target-only:"
+            ),
+            "speculate_up_to": args.speculate_up_to,
+        }
     ingress = {
-        # Ray's, + API keys, OpenAI error shape
+        # Ray's, + API keys, OpenAI error shape, routing by load
         "ingress_cls": "draftlab.serve.vllm_ingress:Ingress",
         "ingress_extra_kwargs": {
-            "auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True)
+            "auth": args.model_dump(include=KEY_FIELDS, exclude_defaults=True),
+            **routing,
         },
     }
     # The ingress only relays: no CPU of its own, so a 2-core machine keeps its cores for vLLM.
