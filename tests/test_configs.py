@@ -100,6 +100,18 @@ def test_streamed_features_are_not_cached(tmp_path):
     with pytest.raises(ConfigError, match=r"train.feature_stream.buffer_mb"):
         load_yaml(DistillConfig, f, {"train.feature_stream.buffer_mb": "0"})
 
+    from draftlab.distill.launch import check_feature_actors_fit
+
+    two = load_yaml(DistillConfig, f, {"scaling.num_workers": "2", "scaling.cpus_per_worker": "2"})
+    check_feature_actors_fit(two, {"CPU": 8.0})  # 2 x (2 + 2 x 1)
+    with pytest.raises(ConfigError) as e:  # Ray Data would only warn, and the fit wait for ever
+        check_feature_actors_fit(two, {"CPU": 6.0})
+    assert "scaling.cpus_per_worker=2" in str(e.value) and "feature_stream.actors=2" in str(e.value)
+    assert "8 CPUs where the Ray cluster has 6" in str(e.value)
+    on_gpus = load_yaml(DistillConfig, f, {"train.feature_stream.gpus_per_actor": "1"})
+    with pytest.raises(ConfigError, match="2 GPUs where the Ray cluster has 0"):
+        check_feature_actors_fit(on_gpus, {"CPU": 8.0})
+
 
 def _literal_fields(model, prefix=""):
     """(dotted field, allowed values) of every Literal field, nested sections included."""

@@ -20,7 +20,7 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from draftlab.cluster import ensure_ray, output_dir, storage_uri
-from draftlab.config import DistillConfig
+from draftlab.config import ConfigError, DistillConfig
 from draftlab.data.selfdistill import load_or_generate
 from draftlab.distill.payload import WorkerPayload
 from draftlab.distill.worker import train_fn_per_worker
@@ -52,6 +52,34 @@ def train_and_publish(config: dict) -> dict:
     return summary
 
 
+def check_feature_actors_fit(cfg: DistillConfig, cluster: dict[str, float]) -> None:
+    """A ConfigError naming the fields when the training workers and their feature actors
+    (`train.feature_stream`) need more CPUs or GPUs than `cluster` (Ray's resources) has: Ray
+    Data only warns that its actors cannot be placed, and the fit would wait for ever."""
+    fs, sc = cfg.train.feature_stream, cfg.scaling
+    if fs is None:
+        return
+    need = {
+        "CPU": sc.num_workers * (sc.cpus_per_worker + fs.actors * fs.cpus_per_actor),
+        "GPU": sc.num_workers * (int(sc.use_gpu) + fs.actors * fs.gpus_per_actor),
+    }
+    short = [
+        f"{n:g} {r}s where the Ray cluster has {cluster.get(r, 0):g}"
+        for r, n in need.items()
+        if n > cluster.get(r, 0)
+    ]
+    if short:
+        raise ConfigError(
+            f"train.feature_stream: {sc.num_workers} training worker(s), each with "
+            f"scaling.cpus_per_worker={sc.cpus_per_worker:g}"
+            + (" and 1 GPU" if sc.use_gpu else "")
+            + f" and train.feature_stream.actors={fs.actors} feature actor(s) of "
+            f"cpus_per_actor={fs.cpus_per_actor:g}, gpus_per_actor={fs.gpus_per_actor:g}, need "
+            + " and ".join(short)
+            + ": lower them or add nodes"
+        )
+
+
 def build_trainer(
     cfg: DistillConfig,
     data_path: str,
@@ -60,6 +88,7 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> TorchTrainer:
     """`callbacks`: Ray Train `UserCallback`s (a Tune trial passes `TuneReportCallback`)."""
+    check_feature_actors_fit(cfg, ray.cluster_resources())
     sc = cfg.scaling
     return TorchTrainer(
         train_and_publish,
