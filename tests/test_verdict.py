@@ -92,11 +92,9 @@ def test_the_fastest_contender_is_served_and_drafts_only_where_it_won():
         "num_speculative_tokens": 3,
         "prompt_lookup": "off",
         "schedule": [[1, 4, 3], [5, 1024, 0]],
-        "speculate_up_to": 4,  # beyond: the target-only engine (routed by load)
     }
     assert [row["drafts"] for row in v["levels"]] == [True, True, False]
-    assert "trained drafter" in v["reason"] and "beyond 4 in flight" in v["reason"]
-    VllmServeArgs.model_validate(v["deploy"] | {"drafter": "init:p-eagle"})
+    assert "trained drafter" in v["reason"]
 
 
 def test_a_drafter_measured_at_a_smaller_k_is_deployed_with_that_k():
@@ -110,7 +108,6 @@ def test_a_drafter_measured_at_a_smaller_k_is_deployed_with_that_k():
     )
     v = verdict(r, BenchConfig())
     assert v["deploy"]["num_speculative_tokens"] == 2 and v["deploy"]["schedule"] == [[1, 1024, 2]]
-    assert "speculate_up_to" not in v["deploy"]  # it drafts at every load: one engine
 
 
 def test_lookups_engine_schedules_the_tokens_it_drafts_a_step():
@@ -148,7 +145,6 @@ def test_suffix_is_deployed_with_a_schedule_that_stops_drafting_where_it_lost_un
     )
     v = verdict(r, BenchConfig())
     assert v["served"] == "vllm_suffix" and v["deploy"]["schedule"] == [[1, 1, 24], [2, 1024, 0]]
-    assert v["deploy"]["speculate_up_to"] == 1
     assert [row["drafts"] for row in v["levels"]] == [True, False]
 
 

@@ -236,6 +236,34 @@ def test_a_request_capped_at_zero_drafts_nothing_and_the_schedule_stops_drafting
 
 
 @pytest.mark.timeout(180)
+def test_lookups_merged_into_the_drafters_drafts_follow_the_batch_size_schedule(
+    target, target_dir, in_process, tmp_path
+):
+    """Copies from the text are drafts like the drafter's: where vLLM's schedule drafts
+    nothing (here one request alone), none is merged in either; where it drafts (3 or more in
+    flight), they are. Merging them regardless cost 15% of throughput at 16 in flight."""
+    from draftlab.config import NgramSpec
+    from draftlab.export import export_vllm, vllm_speculative_config
+    from draftlab.models.drafters.build import init_drafter
+    from draftlab.vllm_offline import VllmEngine
+    from draftlab.vllm_scheduler import engine_kwargs, with_schedule
+
+    saved = init_drafter("p-eagle", target, k=K).save(tmp_path / "drafter")
+    model = export_vllm(saved, tmp_path / "vllm", target)
+    kw = engine_kwargs(NgramSpec(), vllm_speculative_config(model, K), K)
+    steps = kw["speculative_config"]["num_speculative_tokens"]  # the copy's 5: all or none
+    kw = with_schedule(kw, [[1, 2, 0], [3, 64, steps]])
+    prompts = [target.encode_prompt(t) for t in TEXTS]
+    with VllmEngine(
+        target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY, **kw
+    ) as llm:
+        alone = llm.generate_closed_loop(prompts, 1, NEW)
+        loaded = llm.generate_closed_loop(prompts, len(prompts), NEW)
+    assert alone.spec.drafts == 0 and loaded.spec.drafts > 0
+    assert alone.tokens == loaded.tokens
+
+
+@pytest.mark.timeout(180)
 def test_lookups_merged_into_the_drafters_drafts(report):
     """Where the text has a match, a copy of `ngram.tokens` (5) tokens replaces the
     drafter's K (3): only merged copies make drafts longer than K (the drafter alone sums to

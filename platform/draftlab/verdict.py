@@ -11,12 +11,7 @@ all the bench's prompts (`vllm_ar` included: when target-only decoding wins, the
 so and deploys it). Its schedule comes from the load levels: at each measured level it drafts
 its k where it beat `vllm_ar` at that level and 0 where it lost; batch sizes between two won
 levels draft, those between a won and a lost one do not (`schedule`), and the last range
-reaches any batch size. Where the schedule stops drafting from some batch size on, the
-speculative engine is not what should serve that load: measured in vLLM 0.29, an engine with a
-drafter decodes slower than a target-only engine even when it drafts nothing (its drafter still
-runs over every new token to keep its KV cache), so the verdict also routes by load
-(`speculate_up_to`, `draftlab.serve.vllm_ingress`): requests beyond the first range's batch
-sizes go to a target-only engine deployed beside it.
+reaches any batch size.
 """
 
 from __future__ import annotations
@@ -129,9 +124,6 @@ def verdict(report: dict, cfg) -> dict:
         )
     if served != "vllm_ar" and rows:
         deploy["schedule"] = schedule(levels, [r["drafts"] for r in rows], drafted)
-        first = deploy["schedule"][0]
-        if first[2] and len(deploy["schedule"]) > 1:  # drafts at first, stops under more load
-            deploy["speculate_up_to"] = first[1]
     one = methods[served]["speedup_vs_vllm_ar"]
     if served == "vllm_ar":
         reason = (
@@ -147,12 +139,6 @@ def verdict(report: dict, cfg) -> dict:
         reason = (
             f"the trained drafter ({served}) was the fastest one request at a time ({one:.2f}x "
             "vllm_ar)"
-        )
-    if "speculate_up_to" in deploy:
-        up_to = deploy["speculate_up_to"]
-        reason += (
-            f"; it lost to target-only vLLM under more load, so requests beyond {up_to} in flight "
-            "go to a target-only engine deployed beside it"
         )
     return {
         "served": served,

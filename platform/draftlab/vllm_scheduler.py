@@ -196,7 +196,7 @@ def _scheduler() -> type:
                 if extra.get("schedule")
                 else None
             )
-            self._step_k = self.num_spec_tokens  # the schedule's k at the last step's batch size
+            self._step_k = self.num_spec_tokens  # the last step's k: its batch size's, if scheduled
 
         def _cap(self, request) -> int:
             """The most draft tokens `request` takes a step."""
@@ -205,10 +205,12 @@ def _scheduler() -> type:
 
         def schedule(self, *args, **kwargs):
             out = super().schedule(*args, **kwargs)
-            if self._by_batch is not None and out.num_scheduled_tokens:
-                self._step_k = self._by_batch[
-                    min(len(out.num_scheduled_tokens), len(self._by_batch) - 1)
-                ]
+            if out.num_scheduled_tokens:  # this step's k: our schedule's (suffix), else vLLM's
+                self._step_k = (
+                    self._by_batch[min(len(out.num_scheduled_tokens), len(self._by_batch) - 1)]
+                    if self._by_batch is not None
+                    else out.num_spec_tokens_to_schedule
+                )  # vLLM's follows `num_speculative_tokens_per_batch_size`: merged copies too
             if out.num_scheduled_tokens and out.num_spec_tokens_to_schedule and not self._fixed:
                 # the drafter drafts, after this step, for these requests only: as many as the
                 # greediest of them takes (a copy from the text may need the whole chain)
@@ -226,6 +228,10 @@ def _scheduler() -> type:
                 if request is None or request.is_finished() or request.is_prefill_chunk:
                     edited.append(draft)
                     continue
+                cap = self._cap(request)
+                if cap == 0:  # nothing verified: no lookup (its index catches up when it drafts)
+                    edited.append([])
+                    continue
                 draft = list(draft)
                 if self._spec is not None:
                     tokens = request.all_token_ids
@@ -235,7 +241,7 @@ def _scheduler() -> type:
                     else:
                         index.extend(list(tokens[len(index.tokens) :]))
                     draft = merge(index, draft, self._draft_tokens)
-                edited.append(draft[: self._cap(request)])
+                edited.append(draft[:cap])
             for gone in [r for r in self._lookups if r not in self.requests]:
                 del self._lookups[gone]
             super().update_draft_token_ids(type(draft_token_ids)(draft_token_ids.req_ids, edited))

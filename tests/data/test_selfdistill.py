@@ -27,7 +27,7 @@ from draftlab.data import cache, selfdistill
 from draftlab.data import sources as sources_module
 from draftlab.data.cache import cache_path, dataset_key, key_inputs, prompts_cache_file, shard_dir
 from draftlab.data.dataset import train_eval_split
-from draftlab.data.generation import generation_spec, target_features
+from draftlab.data.generation import build_shard, generation_spec, target_features
 from draftlab.data.selfdistill import load_or_generate
 from draftlab.data.sources import (
     collect_prompts,
@@ -223,6 +223,42 @@ def test_dataset_source_conversations(tmp_path, tiny, rows, column, fmt):
     cfg = PromptSourceConfig(kind="dataset", path=str(path), conversations=column, num_prompts=10)
     got = load_prompts_from_source(cfg, tiny, progress=False)
     assert got == ["Why is the sky blue?", "Name two planets with rings."]
+
+
+@pytest.mark.parametrize(
+    "rows,column", [(SHAREGPT, "conversations"), (OPENAI, "messages")], ids=["sharegpt", "openai"]
+)
+def test_dataset_source_chats_keep_every_turn_up_to_the_last_users(tmp_path, tiny, rows, column):
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    cfg = PromptSourceConfig(
+        kind="dataset", path=str(path), conversations=column, turns="chat", num_prompts=10
+    )
+    got = load_prompts_from_source(cfg, tiny, progress=False)
+    first = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ]  # ShareGPT's answer after the last user turn is left for the target to write
+    second = [{"role": "user", "content": "Name two planets with rings."}]
+    if column == "conversations":
+        second = [{"role": "assistant", "content": "Hello!"}, *second]
+    assert got == [first, second]
+    with pytest.raises(ValueError, match="turns: chat reads a conversation column"):
+        PromptSourceConfig(kind="dataset", path=str(path), turns="chat")
+
+
+def test_a_chat_prompt_is_answered_with_its_earlier_turns(tiny):
+    chat = [
+        {"role": "user", "content": "Name a planet with rings."},
+        {"role": "assistant", "content": "Saturn."},
+        {"role": "user", "content": "And another?"},
+    ]
+    data = DataConfig(max_new_tokens=4, batch_size=2)
+    ds = build_shard(tiny, [chat, "Why is the sky blue?"], data, seed=0)
+    rendered = tiny.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    row = ds[0]
+    assert row["input_ids"][: row["prompt_len"]] == rendered and len(rendered) > 20
+    assert json.loads(row["prompt"]) == chat and ds[1]["prompt"] == "Why is the sky blue?"
 
 
 def test_dataset_source_missing_field_names_source_and_columns(tmp_path, tiny):
@@ -667,3 +703,39 @@ def test_a_mix_takes_each_sources_share_interleaved_and_caches_each_list(
     longer = mix.model_copy(update={"max_new_tokens": 5})
     again = load_or_generate(longer, TINY, progress=False)
     assert sorted(r["prompt"] for r in list(again["train"]) + list(again["eval"])) == sorted(got)
+
+
+@pytest.mark.slow
+def test_chat_prompts_travel_to_the_generation_actors_and_back(ray_local, tiny, tmp_path):
+    """Chats and texts in one mix: the actors get both (JSON rows: Arrow would not mix them)."""
+    chats = MixSource(
+        kind="dataset",
+        path=str(write_jsonl(tmp_path / "chats.jsonl", SHAREGPT)),
+        conversations="conversations",
+        turns="chat",
+    )
+    texts = MixSource(kind="dataset", path=str(write_jsonl(tmp_path / "t.jsonl", OPENAI[:1])))
+    texts = texts.model_copy(update={"field": None, "conversations": "messages"})
+    data = DataConfig(
+        source=[chats, texts],
+        num_prompts=3,
+        max_new_tokens=3,
+        shard_size=2,
+        batch_size=2,
+        eval_fraction=0.0,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    rows = list(load_or_generate(data, TINY, progress=False)["train"])
+    texts = [r for r in rows if not r["prompt"].startswith("[")]
+    assert [r["prompt"] for r in texts] == ["Why is the sky blue?"]  # its first user turn
+    chats = {
+        tuple(m["content"] for m in json.loads(r["prompt"])): r for r in rows if r not in texts
+    }
+    assert set(chats) == {
+        ("Be brief.", "Why is the sky blue?"),
+        ("Hello!", "Name two planets with rings."),
+    }
+    for row in chats.values():
+        assert row["input_ids"][: row["prompt_len"]] == tiny.encode_prompt(
+            json.loads(row["prompt"])
+        )

@@ -76,8 +76,13 @@ class PromptSourceConfig(StrictModel):
     field: str | None = "prompt"
     """`dataset`: column holding the prompt text (ignored when `conversations` is set)."""
     conversations: str | None = None
-    """`dataset`: ShareGPT-style column (list of {from|role, value|content}); the first
-    human/user turn is the prompt."""
+    """`dataset`: ShareGPT-style column (list of {from|role, value|content}); what of it is
+    the prompt: `turns`."""
+    turns: Literal["first", "chat"] = Field("first", exclude_if=unset)
+    """`conversations`: `first` = the first human/user turn alone; `chat` = the conversation
+    up to its last user turn, as chat messages (the earlier assistant turns as the dataset has
+    them): the target answers that turn with the whole chat in its context, as it does when
+    it serves a multi-turn chat. Its filters and `max_prompt_tokens` apply to all the turns."""
     data_files: str | list[str] | None = Field(None, exclude_if=unset)
     """`dataset` from the hub or a local directory: read only these files of it (names or glob
     patterns, as `datasets.load_dataset(data_files=...)`). A repo without a loading config
@@ -119,6 +124,8 @@ class PromptSourceConfig(StrictModel):
 
     @model_validator(mode="after")
     def _documents(self) -> PromptSourceConfig:
+        if self.turns == "chat" and self.conversations is None:
+            raise ValueError("turns: chat reads a conversation column: set conversations")
         if self.documents is None:
             for name in ("document_field", "document_tokens"):
                 if getattr(self, name) is not None:

@@ -40,7 +40,7 @@ from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from draftlab.config import DataConfig, PromptSourceConfig
-from draftlab.data.sources import PromptList
+from draftlab.data.sources import Prompt, PromptList, prompt_key
 from draftlab.models.presets import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,14 @@ def save_atomic(
     """
     dest = Path(dest)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
-    ds.save_to_disk(str(tmp))
+    # an empty split (`eval_fraction: 0`) would be saved in 0 shards, which `load_from_disk`
+    # cannot read back: it gets one
+    shards = (
+        {k: 1 if not len(v) else None for k, v in ds.items()}
+        if isinstance(ds, datasets.DatasetDict)
+        else None
+    )
+    ds.save_to_disk(str(tmp), num_shards=shards)
     for name, obj in (extra or {}).items():
         (tmp / name).write_text(json.dumps(obj, indent=2))
     try:
@@ -266,7 +273,7 @@ def save_prompts(
 def reuse_donor_shards(
     root: Path,
     todo: list[int],
-    prompts: list[str],
+    prompts: list[Prompt],
     shard_size: int,
     data: DataConfig,
     target_fingerprint: str,
@@ -292,7 +299,8 @@ def reuse_donor_shards(
     dsd = datasets.load_from_disk(str(path))
     rows = datasets.concatenate_datasets(list(dsd.values()))
     row_of = {prompt: i for i, prompt in enumerate(rows["prompt"])}
-    missing = sum(p not in row_of for p in prompts[:covered])
+    keys = [prompt_key(p) for p in prompts]  # as the `prompt` column holds them
+    missing = sum(k not in row_of for k in keys[:covered])
     if (
         missing > meta["num_dropped_empty"]
     ):  # more than its empty responses: another stream after all
@@ -303,7 +311,7 @@ def reuse_donor_shards(
     for i in tqdm(
         sorted(reuse), desc=f"shards from {meta['key']}", unit="shard", disable=not progress
     ):
-        shard = [row_of[p] for p in prompts[i * shard_size : (i + 1) * shard_size] if p in row_of]
+        shard = [row_of[k] for k in keys[i * shard_size : (i + 1) * shard_size] if k in row_of]
         save_atomic(rows.select(shard), shard_dir(root / "work", i))
     logger.info(
         "reused %d of %d shards to generate from the cached dataset %s (%d prompts)",

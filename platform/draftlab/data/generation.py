@@ -11,6 +11,7 @@ drives the pool).
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from draftlab.config import DataConfig, TargetSpec
 from draftlab.data.cache import save_atomic, shard_dir
 from draftlab.data.dataset import token_counts
 from draftlab.data.responses import generate_responses
+from draftlab.data.sources import Prompt, prompt_key
 from draftlab.export import vllm_target_dir
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
 from draftlab.models.target import load_target, placed_spec
@@ -102,10 +104,11 @@ def target_features(
 
 
 def build_shard(
-    target, prompts: list[str], data: DataConfig, seed: int, writer=None
+    target, prompts: list[Prompt], data: DataConfig, seed: int, writer=None
 ) -> datasets.Dataset:
     """Generate (`writer`: see `generate_responses`), cut and (optionally) featurise one
-    shard; empty responses are dropped."""
+    shard; empty responses are dropped. A chat prompt is rendered with its earlier turns by
+    the target's chat template and stored as JSON in the `prompt` column (`prompt_key`)."""
     prompt_ids = [target.encode_prompt(p) for p in prompts]
     responses = generate_responses(target, prompt_ids, data, seed, writer)
     keep = [i for i, r in enumerate(responses) if r]
@@ -113,7 +116,7 @@ def build_shard(
     cols = {
         "input_ids": seqs,
         "prompt_len": [len(prompt_ids[i]) for i in keep],
-        "prompt": [prompts[i] for i in keep],
+        "prompt": [prompt_key(prompts[i]) for i in keep],
     }
     aux = resolve_aux_layers(data.aux_layers, target.num_layers)
     if data.store_features:
@@ -129,7 +132,8 @@ class ShardGenerator:
     """Ray Data actor: loads the target (and, for `generator: vllm`, starts its engine)
     once, then generates and saves one shard per row.
 
-    Rows are `{"shard": int, "prompts": list[str]}`; each output row is a small summary
+    Rows are `{"shard": int, "prompts": <JSON list of prompts>}` (JSON: a chat prompt is a
+    list of messages, which Arrow would not mix with texts); each output row is a small summary
     (the samples themselves go to disk, so a killed job keeps the finished shards).
     """
 
@@ -154,7 +158,7 @@ class ShardGenerator:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         (index,) = batch["shard"].tolist()  # batch_size=1: one shard per call
-        prompts = [str(p) for p in batch["prompts"][0]]
+        prompts = json.loads(batch["prompts"][0])
         dest = shard_dir(self.work_dir, index)
         t0 = time.perf_counter()
         if not dest.is_dir():  # a retried task may find its shard already saved

@@ -70,7 +70,9 @@ def _prompts_and_plan(
     return prompts, data.shard_size
 
 
-def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) -> list[str]:
+def _cached_prompts(
+    data: DataConfig, target, spec: TargetSpec, progress: bool
+) -> list[sources.Prompt]:
     """Each source's first `num_prompts` prompts (a mix's share): cut from its cached list,
     or collected (a shorter cached list is extended where its stream stopped) and cached;
     a mix's lists then interleaved (`interleave`). `target` (a `TargetInfo`) measures them;
@@ -112,21 +114,22 @@ def _cached_prompts(data: DataConfig, target, spec: TargetSpec, progress: bool) 
     return interleave(lists)
 
 
-def interleave(lists: list[list[str]]) -> list[str]:
+def interleave(lists: list[list[sources.Prompt]]) -> list[sources.Prompt]:
     """The lists merged so each keeps its order and its share of every stretch: item j of
     a list of n sits at (j + 0.5) / n of the way (ties: the earlier list first). A prompt
     in two lists is kept once, where it comes first."""
     placed = sorted(
-        ((j + 0.5) / len(items), k, text)
-        for k, items in enumerate(lists)
-        for j, text in enumerate(items)
+        ((j + 0.5) / len(items), k, j) for k, items in enumerate(lists) for j in range(len(items))
     )
-    return list(dict.fromkeys(text for _, _, text in placed))
+    unique = {}
+    for _, k, j in placed:
+        unique.setdefault(sources.prompt_key(lists[k][j]), lists[k][j])
+    return list(unique.values())
 
 
 def _run_shards(
     todo: list[int],
-    prompts: list[str],
+    prompts: list[sources.Prompt],
     shard_size: int,
     num_shards: int,
     data: DataConfig,
@@ -137,7 +140,10 @@ def _run_shards(
     """Generate the shards in `todo` with a Ray Data actor pool on the current Ray instance."""
     if not ray.is_initialized():
         ray.init()
-    rows = [{"shard": i, "prompts": prompts[i * shard_size : (i + 1) * shard_size]} for i in todo]
+    rows = [
+        {"shard": i, "prompts": json.dumps(prompts[i * shard_size : (i + 1) * shard_size])}
+        for i in todo
+    ]  # JSON: chat prompts are lists (`ShardGenerator`)
     ctx = ray.data.DataContext.get_current()
     ray_bars, ctx.enable_progress_bars = (
         ctx.enable_progress_bars,
@@ -188,7 +194,7 @@ def _run_shards(
 
 def _generate(
     root: Path,
-    prompts: list[str],
+    prompts: list[sources.Prompt],
     shard_size: int,
     data: DataConfig,
     target_spec: TargetSpec,

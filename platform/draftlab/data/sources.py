@@ -12,6 +12,7 @@ Chinese, Cyrillic or Arabic prompts pass.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import re
@@ -33,6 +34,10 @@ from draftlab.data.tables import describe_source, open_dataset
 logger = logging.getLogger(__name__)
 
 _USER_ROLES = ("human", "user")
+_CHAT_ROLES = {"system": "system", "human": "user", "user": "user"} | {
+    r: "assistant" for r in ("gpt", "assistant", "chatgpt", "bard", "model", "bing")
+}
+Prompt = str | list[dict[str, str]]  # a user turn's text, or chat messages ending in a user turn
 # Cut point in the rendered chat template; private-use chars never occur in real templates.
 _SENTINEL = "\ue000draftlab-magpie\ue001"
 
@@ -73,6 +78,17 @@ def junk_reason(text: str) -> str | None:
     return None
 
 
+def prompt_text(prompt: Prompt) -> str:
+    """What a prompt is filtered and deduplicated by: its text, or a chat's turns joined."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """A prompt as one string (the data's `prompt` column): its text, or a chat's messages as
+    JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+
 def reject_reason(text: str, cfg: PromptSourceConfig, tokenizer=None) -> str | None:
     """Why a (stripped) prompt is dropped: length limits of `cfg` (its document included),
     then `junk_reason`."""
@@ -95,7 +111,7 @@ class PromptList:
     """Prompts collected from a source stream, and how many of the stream's texts (kept or
     dropped) that took: where a longer list resumes (None: not recorded, it cannot)."""
 
-    prompts: list[str]
+    prompts: list[Prompt]
     consumed: int | None
 
 
@@ -105,21 +121,25 @@ class _Collector:
 
     def __init__(self, cfg: PromptSourceConfig, tokenizer, start: PromptList | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.prompts: list[str] = list(start.prompts) if start else []
+        self.prompts: list[Prompt] = list(start.prompts) if start else []
         self.consumed = start.consumed if start else 0
         self.dropped: Counter[str] = Counter()
-        self._seen: set[str] = {dedup_key(p) for p in self.prompts}
+        self._seen: set[str] = {dedup_key(prompt_text(p)) for p in self.prompts}
 
     @property
     def full(self) -> bool:
         return len(self.prompts) >= self.cfg.num_prompts
 
-    def offer(self, text: str | None) -> bool:
+    def offer(self, prompt: Prompt | None) -> bool:
         self.consumed += 1
-        if not isinstance(text, str):
+        if not isinstance(prompt, str | list):
             self.dropped["no text"] += 1
             return False
-        text = text.strip()
+        if isinstance(prompt, str):
+            prompt = prompt.strip()
+        else:
+            prompt = [m | {"content": m["content"].strip()} for m in prompt]
+        text = prompt_text(prompt)
         reason = reject_reason(text, self.cfg, self.tokenizer)
         if reason is None and dedup_key(text) in self._seen:
             reason = "duplicate"
@@ -127,7 +147,7 @@ class _Collector:
             self.dropped[reason] += 1
             return False
         self._seen.add(dedup_key(text))
-        self.prompts.append(text)
+        self.prompts.append(prompt)
         return True
 
     def summary(self) -> str:
@@ -145,6 +165,24 @@ def _turn_text(turn: dict) -> str | None:
     return content if isinstance(content, str) else None
 
 
+def chat_to_last_user_turn(conversation: object) -> list[dict[str, str]] | None:
+    """A ShareGPT (`from`/`value`) or OpenAI (`role`/`content`) conversation up to and with its
+    last user turn, as OpenAI chat messages (roles system, user, assistant); None without a
+    user turn, or with a turn of another role or without text."""
+    if not isinstance(conversation, list):
+        return None
+    messages = []
+    for turn in conversation:
+        role = str(turn.get("from", turn.get("role", ""))).lower() if isinstance(turn, dict) else ""
+        text = _turn_text(turn) if role else None
+        if role not in _CHAT_ROLES or text is None:
+            return None
+        messages.append({"role": _CHAT_ROLES[role], "content": text})
+    while messages and messages[-1]["role"] != "user":
+        messages.pop()
+    return messages or None
+
+
 def first_user_turn(conversation: object) -> str | None:
     """The first human/user turn of a ShareGPT (`from`/`value`) or OpenAI (`role`/`content`)
     conversation; None when there is none."""
@@ -159,8 +197,8 @@ def first_user_turn(conversation: object) -> str | None:
     return None
 
 
-def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[str | None]:
-    """The prompt column's texts from row `first` on."""
+def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[Prompt | None]:
+    """The prompt column's texts (or chats: `turns`) from row `first` on."""
     ds = open_dataset(cfg)
     column = cfg.conversations or cfg.field
     if column is None:
@@ -176,7 +214,10 @@ def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[str | No
         range(min(first, rows.num_rows), rows.num_rows)
     ):  # lazy: read until enough are kept
         value = value[column]
-        yield first_user_turn(value) if cfg.conversations else value
+        if not cfg.conversations:
+            yield value
+        else:
+            yield chat_to_last_user_turn(value) if cfg.turns == "chat" else first_user_turn(value)
 
 
 # --- kind = "magpie" -----------------------------------------------------------------------
@@ -309,7 +350,7 @@ def ground(opening: str, document: str) -> str:
 # --- entry point ---------------------------------------------------------------------------
 
 
-def _collect(texts: Iterable[str | None], collector: _Collector, bar: tqdm) -> None:
+def _collect(texts: Iterable[Prompt | None], collector: _Collector, bar: tqdm) -> None:
     for text in texts:
         if collector.offer(text):
             bar.update(1)
@@ -317,7 +358,7 @@ def _collect(texts: Iterable[str | None], collector: _Collector, bar: tqdm) -> N
             return
 
 
-def load_prompts_from_source(cfg: PromptSourceConfig, target, **kwargs) -> list[str]:
+def load_prompts_from_source(cfg: PromptSourceConfig, target, **kwargs) -> list[Prompt]:
     """`collect_prompts(...).prompts`: the prompt texts alone."""
     return collect_prompts(cfg, target, **kwargs).prompts
 
