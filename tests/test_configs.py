@@ -267,3 +267,16 @@ def test_catalogue_serves_what_it_trains(tmp_path):
             served = p.serve_spec("models:/x@champion", "sqlite:///x.db")["args"]
             if "name" in served.target.model_fields_set:
                 assert served.target.name == p.distill.target.name, path.name
+
+
+def test_on_and_off_are_words_in_configs_and_overrides(tmp_path):
+    """YAML 1.1 would read `on`/`off` as booleans, and `prompt_lookup=on` would fail with
+    "Input should be 'tree', 'on' or 'off'"; boolean fields still take them."""
+    from draftlab.config.base import parse_overrides
+    from draftlab.serve.vllm_app import VllmServeArgs
+
+    f = tmp_path / "args.yaml"
+    f.write_text("drafter: init:p-eagle\nspeculation: off\nenforce_eager: yes\n")
+    args = load_yaml(VllmServeArgs, f, parse_overrides(["prompt_lookup=on", "speculation=on"]))
+    assert (args.prompt_lookup, args.speculation, args.enforce_eager) == ("on", "on", True)
+    assert parse_overrides(["a=true", "b=False", "c=off"]) == {"a": True, "b": False, "c": "off"}

@@ -7,6 +7,7 @@ name the field (and, via :func:`load_yaml`, the file) so a typo fails before any
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, TypeVar, get_args
 
@@ -80,6 +81,26 @@ class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names file and field."""
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML with `true`/`false` as its only booleans (YAML 1.2): `on`, `off`, `yes` and `no` stay
+    words, so `speculation: on` or `prompt_lookup=on` means the value of that name. Boolean
+    fields still take them (pydantic reads "on" and "yes" as true)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def yaml_load(text: str):
+    """`yaml.safe_load` with YAML 1.2 booleans (`_YamlLoader`): configs and overrides."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
 def parse_overrides(items: list[str]) -> dict:
     """`["train.lr=1e-4", "data.source.kind=dataset"]` -> {dotted key: YAML-typed value}."""
     out = {}
@@ -88,7 +109,7 @@ def parse_overrides(items: list[str]) -> dict:
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.path=value")
         try:
-            out[key] = yaml.safe_load(value)
+            out[key] = yaml_load(value)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
     return out
@@ -114,7 +135,7 @@ def read_mapping(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
