@@ -88,7 +88,8 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> TorchTrainer:
     """`callbacks`: Ray Train `UserCallback`s (a Tune trial passes `TuneReportCallback`)."""
-    check_feature_actors_fit(cfg, ray.cluster_resources())
+    if cfg.train.feature_stream is not None:  # asks the cluster: only then is Ray needed here
+        check_feature_actors_fit(cfg, ray.cluster_resources())
     sc = cfg.scaling
     return TorchTrainer(
         train_and_publish,
