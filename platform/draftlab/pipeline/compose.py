@@ -79,7 +79,7 @@ class Pipeline:
     def serve_spec(self, model_uri: str, tracking_uri: str, deploy: dict | None = None) -> dict:
         """The Serve spec with the champion (`model_uri` in `tracking_uri`'s registry) and,
         on top, `serve.overrides`. `deploy` (the compare stage's vLLM verdict: method, k,
-        lookups, schedule, routing by load) selects `serve.vllm_config` and is set on it, then
+        lookups, schedule) selects `serve.vllm_config` and is set on it, then
         `serve.vllm_overrides` (the user's word is last)."""
         spec = self.serve if deploy is None else self.serve_vllm
         if spec is None:

@@ -102,14 +102,14 @@ class VllmServeArgs(ServingCommon):
     drafts its k or nothing; `suffix` drafts (and is verified on) up to its k or nothing, the
     schedule applied by draftlab's scheduler (vLLM 0.29's suffix proposer takes none)."""
     speculate_up_to: int | None = Field(None, ge=1)
-    """Route by load: a second LLMServer deployment serves the target alone, and the ingress
-    sends a request there when this many requests are already in flight at its replica, or when
-    the request asks for no drafts (`draftlab_k: 0`, what `draftlab loadtest --speculation off`
-    sends); the rest go to the speculative engine (the response's `x-draftlab-engine` header
-    says which): the last batch size the schedule drafts at. For engines on devices of their
-    own (`gpu`): on `cpu` the two share the node's cores (`num_cpus` is split between them),
-    and they run together whenever a drafting request is still in flight as the load rises,
-    which cost 47% of throughput at 16 in flight on 2 cores. None = one engine serves all."""
+    """Route by load (opt-in): a second LLMServer deployment serves the target alone, and the
+    ingress sends a request there when this many requests are already in flight at its replica
+    (e.g. the last batch size `schedule` drafts at), or when the request asks for no drafts
+    (`draftlab_k: 0`, what `draftlab loadtest --speculation off` sends); the rest go to the
+    speculative engine. The response's `x-draftlab-engine` header says which. For engines on
+    devices of their own (`gpu`): on `cpu` the two share the node's cores (`num_cpus` is split
+    between them) and run together whenever a drafting request is still in flight as the load
+    rises, which cost 47% of throughput at 16 in flight on 2 cores. None = one engine."""
     prompt_lookup: Literal["tree", "on", "off"] = "tree"
     """Prompt lookups merged into the drafter's drafts (`draftlab.vllm_scheduler`: where the
     request's text has an n-gram match, the tokens that followed it are drafted instead):
