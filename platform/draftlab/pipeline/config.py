@@ -88,7 +88,8 @@ class ServeStage(StrictModel):
     vllm_overrides: dict[str, Any] = Field(default_factory=dict)
     """Dotted fields set on the vLLM Serve config alone (`vllm_config`), last: after
     `overrides` and the verdict's configuration, e.g. `enforce_eager: true`, or
-    `speculate_up_to: null` for one engine where the verdict routes by load to a second."""
+    `speculate_up_to: 1` to route load to a target-only engine (for engines on GPUs of their
+    own: docs/guides/vllm.md)."""
     host: str | None = None
     """HTTP host (None = the Serve config's)."""
     port: int | None = Field(None, ge=1, le=65535)
