@@ -292,7 +292,7 @@ class VllmEngine:
     def generate_many(
         self,
         prompts: list[list[int]],
-        max_new_tokens: int,
+        max_new_tokens: int | list[int],
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -301,15 +301,19 @@ class VllmEngine:
         extra_args: dict | None = None,
     ) -> list[list[int]]:
         """Decode prompts of token ids together (vLLM batches up to `max_num_seqs`): the new
-        ids of each, in order, the stopping token included. Greedy at temperature 0; prompt
-        i samples with `seeds[i]` (its output then depends on nothing else in the batch)."""
+        ids of each (at most `max_new_tokens`, or its own entry of a list), in order, the
+        stopping token included. Greedy at temperature 0; prompt i samples with `seeds[i]`
+        (its output then depends on nothing else in the batch)."""
         from vllm import TokensPrompt  # noqa: PLC0415 -- vLLM, optional
 
         self._check("generate_many")
         seeds = seeds if seeds is not None else [None] * len(prompts)
+        lengths = (
+            max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        )
         params = [
-            self._params(max_new_tokens, temperature, top_p, seed, stop_token_ids, extra_args)
-            for seed in seeds
+            self._params(n, temperature, top_p, seed, stop_token_ids, extra_args)
+            for n, seed in zip(lengths, seeds, strict=True)
         ]
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False

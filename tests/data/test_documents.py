@@ -60,6 +60,13 @@ def test_document_prompts_must_leave_room_for_their_response():
     with pytest.raises(ValidationError, match=r"data.source: .* exceed train.max_seq_len = 384"):
         DistillConfig.model_validate(base | {"data": data})
     DistillConfig.model_validate(base | {"data": data, "train": {"max_seq_len": 640}})
+    mix = {  # a mix entry's own answer length counts
+        "source": [{}, {"documents": "self", "document_tokens": 128, "max_new_tokens": 256}],
+        "num_prompts": 4,
+        "max_new_tokens": 64,
+    }
+    with pytest.raises(ValidationError, match=r"data.source\[1\].max_new_tokens\) exceed"):
+        DistillConfig.model_validate(base | {"data": mix})
 
 
 # --- documents -----------------------------------------------------------------------------
@@ -131,5 +138,10 @@ def test_plain_magpie_turns_of_one_round_open_with_different_seeds(tiny):
 
 def test_interleave_spreads_each_list_over_the_whole_and_keeps_order():
     a, b = [f"a{i}" for i in range(6)], ["b0", "b1", "b2"]
-    assert interleave([a, b]) == ["a0", "b0", "a1", "a2", "b1", "a3", "a4", "b2", "a5"]
-    assert interleave([a]) == a and interleave([["x", "y"], ["y", "z"]]) == ["x", "y", "z"]
+
+    def merged(lists):
+        return [lists[k][j] for k, j in interleave(lists)]
+
+    assert merged([a, b]) == ["a0", "b0", "a1", "a2", "b1", "a3", "a4", "b2", "a5"]
+    assert merged([a]) == a and merged([["x", "y"], ["y", "z"]]) == ["x", "y", "z"]
+    assert interleave([["x", "y"], ["y", "z"]]) == [(0, 0), (1, 0), (1, 1)]  # "y" placed first

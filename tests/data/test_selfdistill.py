@@ -28,6 +28,7 @@ from draftlab.data import sources as sources_module
 from draftlab.data.cache import cache_path, dataset_key, key_inputs, prompts_cache_file, shard_dir
 from draftlab.data.dataset import train_eval_split
 from draftlab.data.generation import build_shard, generation_spec, target_features
+from draftlab.data.responses import generate_responses
 from draftlab.data.selfdistill import load_or_generate
 from draftlab.data.sources import (
     collect_prompts,
@@ -261,6 +262,17 @@ def test_a_chat_prompt_is_answered_with_its_earlier_turns(tiny):
     assert json.loads(row["prompt"]) == chat and ds[1]["prompt"] == "Why is the sky blue?"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_prompt_is_answered_to_its_own_length(tiny, temperature):
+    """HF decodes a batch to its longest length and cuts each row to its own: the same tokens
+    as decoding each to its own length (greedy; sampled with the same seed)."""
+    ids = [tiny.encode_prompt(p) for p in PROMPTS[:3]]
+    data = DataConfig(max_new_tokens=6, batch_size=3, temperature=temperature)
+    full = generate_responses(tiny, ids, data, seed=3)
+    got = generate_responses(tiny, ids, data, seed=3, lengths=[2, 6, 4])
+    assert got == [full[0][:2], full[1], full[2][:4]] and len(full[0]) > 2
+
+
 def test_dataset_source_missing_field_names_source_and_columns(tmp_path, tiny):
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": "Why is the sky blue?", "id": 1}])
     cfg = PromptSourceConfig(kind="dataset", path=str(path), field="prompt")
@@ -447,6 +459,21 @@ def test_cache_key_tracks_results_not_resources(data_cfg, tmp_path):
         assert dataset_key(data_cfg.model_copy(update=change), "fp-a") == key, change
     moved = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
     assert cache_path(moved, "fp-a") == tmp_path / key
+
+
+def test_a_mix_entrys_answer_length_keys_its_data_but_not_its_prompts(data_cfg):
+    listed = data_cfg.source.model_dump(exclude={"num_prompts"})
+
+    def mix(**own) -> DataConfig:
+        return DataConfig(source=[listed | own, {}], num_prompts=6, max_new_tokens=8)
+
+    assert mix().response_lengths == [8, 8] and mix(max_new_tokens=32).response_lengths == [32, 8]
+    assert dataset_key(mix(max_new_tokens=32), "fp") != dataset_key(mix(), "fp")
+    assert mix(max_new_tokens=32).sources == mix().sources  # the prompt lists are shared
+    assert prompts_cache_file(mix(max_new_tokens=32), "fp", mix().sources[0]) == (
+        prompts_cache_file(mix(), "fp", mix().sources[0])
+    )
+    assert "max_new_tokens" not in mix().model_dump()["source"][0]  # older keys stay valid
 
 
 def test_a_missing_vllm_writer_is_a_config_error_before_any_work(data_cfg, tmp_path, monkeypatch):
@@ -670,6 +697,7 @@ def test_a_mix_takes_each_sources_share_interleaved_and_caches_each_list(
         max_prompt_tokens=8,
         min_chars=4,
         weight=1,
+        max_new_tokens=7,  # its own answer length; the listed prompts take data.max_new_tokens
     )
     listed = MixSource(kind="dataset", path=data_cfg.source.path, weight=2)
     mix = DataConfig(
@@ -687,9 +715,16 @@ def test_a_mix_takes_each_sources_share_interleaved_and_caches_each_list(
     assert len(got) == 9 and sorted(p for p in got if p in PROMPTS) == sorted(PROMPTS[:6])
     grounded_prompts = [p for p in got if p not in PROMPTS]
     assert all("The pumps ran all year" in p for p in grounded_prompts)
+    answers = {
+        r["prompt"]: len(r["input_ids"]) - r["prompt_len"]
+        for r in list(dsd["train"]) + list(dsd["eval"])
+    }
+    assert max(answers[p] for p in got if p in PROMPTS) <= 4
+    assert max(answers[p] for p in grounded_prompts) == 7
     plan = json.loads((cache_path(mix, tiny.fingerprint) / "work" / "prompts.json").read_text())
     order = ["grounded" if p not in PROMPTS else "listed" for p in plan["prompts"]]
     assert order == ["listed", "grounded", "listed"] * 3  # each shard of 3 holds both kinds
+    assert plan["lengths"] == [4, 7, 4] * 3
     for source in mix.sources:  # each list cached on its own, as that source alone would be
         cached = json.loads(prompts_cache_file(mix, tiny.fingerprint, source).read_text())
         assert len(cached["prompts"]) == source.num_prompts

@@ -93,6 +93,15 @@ def test_greedy_responses_equal_target_decoding(target, writer):
 
 
 @pytest.mark.timeout(120)
+def test_each_prompt_is_answered_to_its_own_length(target, writer):
+    prompts = [target.encode_prompt(t) for t in TEXTS[:3]]
+    full = generate_responses(target, prompts, vllm_data(), writer=writer)
+    lengths = [1, NEW, 3]
+    got = generate_responses(target, prompts, vllm_data(), writer=writer, lengths=lengths)
+    assert got == [r[:n] for r, n in zip(full, lengths, strict=True)]
+
+
+@pytest.mark.timeout(120)
 def test_sampled_responses_follow_their_seeds(target, writer):
     prompts = [target.encode_prompt(t) for t in TEXTS[:3]]
     data = vllm_data(temperature=1.0)

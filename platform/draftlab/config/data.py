@@ -161,6 +161,9 @@ class MixSource(PromptSourceConfig):
     """Set by the mix: its share of `data.num_prompts` by `weight` (leave it out)."""
     weight: float = Field(1.0, gt=0.0)
     """This source's share of `data.num_prompts`, relative to the other entries' weights."""
+    max_new_tokens: int | None = Field(None, ge=1, exclude_if=unset)
+    """The length the target answers this source's prompts to (None = `data.max_new_tokens`):
+    a summary or a translation runs longer than a quick answer."""
 
     @model_validator(mode="after")
     def _count_from_the_mix(self) -> MixSource:
@@ -182,7 +185,7 @@ class DataConfig(StrictModel):
     """A mix's prompt count (needed when `source` is a list; a single source sets its own
     `source.num_prompts`)."""
     max_new_tokens: int = Field(192, ge=1)
-    """Response length cap."""
+    """Response length cap (a mix entry may set its own)."""
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy responses (what greedy serving will see)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -265,10 +268,18 @@ class DataConfig(StrictModel):
             return [self.source]
         return [
             PromptSourceConfig.model_validate(
-                e.model_dump(exclude={"weight", "num_prompts"}) | {"num_prompts": n}
+                e.model_dump(exclude={"weight", "num_prompts", "max_new_tokens"})
+                | {"num_prompts": n}
             )
             for e, n in zip(self.source, self.mix_counts(), strict=True)
         ]
+
+    @property
+    def response_lengths(self) -> list[int]:
+        """Each source's answer length (a mix entry's own `max_new_tokens`, else the data's)."""
+        if not isinstance(self.source, list):
+            return [self.max_new_tokens]
+        return [e.max_new_tokens or self.max_new_tokens for e in self.source]
 
     @property
     def total_prompts(self) -> int:

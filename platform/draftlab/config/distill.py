@@ -266,13 +266,17 @@ class DistillConfig(StrictModel):
     def _documents_fit_the_sequence(self) -> DistillConfig:
         """Training cuts samples at `train.max_seq_len`: a document-grounded prompt must leave
         room for its response, or its sample would train on the prompt alone."""
-        for i, src in enumerate(self.data.sources):
-            need = src.prompt_token_limit + self.data.max_new_tokens
+        mix = isinstance(self.data.source, list)
+        for i, (src, answer) in enumerate(
+            zip(self.data.sources, self.data.response_lengths, strict=True)
+        ):
+            need = src.prompt_token_limit + answer
             if src.documents and need > self.train.max_seq_len:
-                where = f"data.source[{i}]" if isinstance(self.data.source, list) else "data.source"
+                where = f"data.source[{i}]" if mix else "data.source"
+                length = f"{where}.max_new_tokens" if mix else "data.max_new_tokens"
                 raise ValueError(
                     f"{where}: document-grounded prompts of up to {src.prompt_token_limit} tokens "
-                    f"plus data.max_new_tokens = {self.data.max_new_tokens} exceed "
+                    f"plus answers of {answer} tokens ({length}) exceed "
                     f"train.max_seq_len = {self.train.max_seq_len}: raise train.max_seq_len "
                     "or lower document_tokens / max_prompt_tokens"
                 )

@@ -59,7 +59,7 @@ def open_writer(
 
     # Room for the longest chat-formatted prompt plus its response: prompts are cut to
     # max_prompt_tokens of text, the chat template adds its header and system turn.
-    length = max(s.prompt_token_limit for s in data.sources) + data.max_new_tokens + 256
+    length = max(s.prompt_token_limit for s in data.sources) + max(data.response_lengths) + 256
     return VllmEngine(
         vllm_target_dir(target),
         dtype=target.dtype,
@@ -104,13 +104,19 @@ def target_features(
 
 
 def build_shard(
-    target, prompts: list[Prompt], data: DataConfig, seed: int, writer=None
+    target,
+    prompts: list[Prompt],
+    data: DataConfig,
+    seed: int,
+    writer=None,
+    lengths: list[int] | None = None,
 ) -> datasets.Dataset:
-    """Generate (`writer`: see `generate_responses`), cut and (optionally) featurise one
-    shard; empty responses are dropped. A chat prompt is rendered with its earlier turns by
-    the target's chat template and stored as JSON in the `prompt` column (`prompt_key`)."""
+    """Generate (`writer`, `lengths`: see `generate_responses`), cut and (optionally)
+    featurise one shard; empty responses are dropped. A chat prompt is rendered with its
+    earlier turns by the target's chat template and stored as JSON in the `prompt` column
+    (`prompt_key`)."""
     prompt_ids = [target.encode_prompt(p) for p in prompts]
-    responses = generate_responses(target, prompt_ids, data, seed, writer)
+    responses = generate_responses(target, prompt_ids, data, seed, writer, lengths)
     keep = [i for i, r in enumerate(responses) if r]
     seqs = [prompt_ids[i] + responses[i] for i in keep]
     cols = {
@@ -132,8 +138,9 @@ class ShardGenerator:
     """Ray Data actor: loads the target (and, for `generator: vllm`, starts its engine)
     once, then generates and saves one shard per row.
 
-    Rows are `{"shard": int, "prompts": <JSON list of prompts>}` (JSON: a chat prompt is a
-    list of messages, which Arrow would not mix with texts); each output row is a small summary
+    Rows are `{"shard": int, "prompts": <JSON list of prompts>, "lengths": <JSON list of
+    answer lengths, or null for data.max_new_tokens>}` (JSON: a chat prompt is a list of
+    messages, which Arrow would not mix with texts); each output row is a small summary
     (the samples themselves go to disk, so a killed job keeps the finished shards).
     """
 
@@ -168,6 +175,7 @@ class ShardGenerator:
                 self.data,
                 seed=self.data.seed * 1_000_003 + index,
                 writer=self.writer,
+                lengths=json.loads(batch["lengths"][0]),
             )
             save_atomic(ds, dest)
         ds = datasets.load_from_disk(str(dest))

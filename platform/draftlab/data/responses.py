@@ -20,32 +20,46 @@ def _cut_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 @torch.inference_mode()
 def generate_responses(
-    target, prompt_ids: list[list[int]], data: DataConfig, seed: int = 0, writer=None
+    target,
+    prompt_ids: list[list[int]],
+    data: DataConfig,
+    seed: int = 0,
+    writer=None,
+    lengths: list[int] | None = None,
 ) -> list[list[int]]:
-    """The target's response to each prompt; greedy when `data.temperature == 0`. Written by
-    `writer` (a `VllmEngine` from `open_writer`: prompt i samples with seed `seed + i`) or
-    by batched, left-padded HF `generate`, `data.batch_size` prompts per call."""
+    """The target's response to each prompt, at most `lengths[i]` tokens (None: all
+    `data.max_new_tokens`); greedy when `data.temperature == 0`. Written by `writer` (a
+    `VllmEngine` from `open_writer`: prompt i samples with seed `seed + i`) or by batched,
+    left-padded HF `generate`, `data.batch_size` prompts per call."""
     eos = sorted(target.eos_token_ids)
+    lengths = lengths or [data.max_new_tokens] * len(prompt_ids)
     if writer is not None:
         seeds = [seed + i for i in range(len(prompt_ids))] if data.temperature > 0 else None
         rows = writer.generate_many(
             prompt_ids,
-            data.max_new_tokens,
+            lengths,
             temperature=data.temperature,
             top_p=data.top_p,
             seeds=seeds,
             stop_token_ids=eos,
         )
-    else:
-        rows = _hf_responses(target, prompt_ids, data, seed, eos)
+    else:  # a batch decodes to its longest length; each row is cut to its own
+        rows = _hf_responses(target, prompt_ids, lengths, data, seed, eos)
     stop = set(eos)
-    return [_cut_after_eos(r, stop) for r in rows]
+    return [_cut_after_eos(r[:n], stop) for r, n in zip(rows, lengths, strict=True)]
 
 
 def _hf_responses(
-    target, prompt_ids: list[list[int]], data: DataConfig, seed: int, eos: list[int]
+    target,
+    prompt_ids: list[list[int]],
+    lengths: list[int],
+    data: DataConfig,
+    seed: int,
+    eos: list[int],
 ) -> list[list[int]]:
-    """HF `generate`'s new ids per prompt (padding after EOS included), left-padded batches."""
+    """HF `generate`'s new ids per prompt (padding after EOS included), left-padded batches,
+    each decoded to its longest prompt's length: a row's first n tokens are what n would
+    give (greedy, and our sampler draws the same numbers each step whatever the length)."""
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     mode = {}
@@ -64,7 +78,7 @@ def _hf_responses(
             out = target.model.generate(
                 ids.to(target.device),
                 attention_mask=mask.to(target.device),
-                max_new_tokens=data.max_new_tokens,
+                max_new_tokens=max(lengths[start : start + data.batch_size]),
                 eos_token_id=eos or None,
                 pad_token_id=pad,
                 do_sample=False,

@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 def _prompts_and_plan(
     work: Path, data: DataConfig, target, spec: TargetSpec, progress: bool
-) -> tuple[list[str], int]:
-    """Prompts and shard size: read back from `work/prompts.json`, or made and recorded.
+) -> tuple[list[sources.Prompt], list[int] | None, int]:
+    """Prompts, their answer lengths (None: all `data.max_new_tokens`) and shard size: read
+    back from `work/prompts.json`, or made and recorded.
 
     A resumed run keeps the recorded shard size even if `data.shard_size` changed, so the
     finished shards still line up with the prompts.
@@ -64,20 +65,21 @@ def _prompts_and_plan(
                 saved["shard_size"],
                 data.shard_size,
             )
-        return saved["prompts"], saved["shard_size"]
-    prompts = _cached_prompts(data, target, spec, progress)
-    write_json_atomic(plan, {"shard_size": data.shard_size, "prompts": prompts})
-    return prompts, data.shard_size
+        return saved["prompts"], saved.get("lengths"), saved["shard_size"]
+    prompts, lengths = _cached_prompts(data, target, spec, progress)
+    write_json_atomic(plan, {"shard_size": data.shard_size, "prompts": prompts, "lengths": lengths})
+    return prompts, lengths, data.shard_size
 
 
 def _cached_prompts(
     data: DataConfig, target, spec: TargetSpec, progress: bool
-) -> list[sources.Prompt]:
+) -> tuple[list[sources.Prompt], list[int] | None]:
     """Each source's first `num_prompts` prompts (a mix's share): cut from its cached list,
     or collected (a shorter cached list is extended where its stream stopped) and cached;
-    a mix's lists then interleaved (`interleave`). `target` (a `TargetInfo`) measures them;
-    magpie prompts load the target from `spec` to write them, on the CPU of a CPU-only head
-    node, once for all sources."""
+    a mix's lists then interleaved (`interleave`). With them, each prompt's answer length,
+    its source's (None when every source answers to `data.max_new_tokens`). `target` (a
+    `TargetInfo`) measures them; magpie prompts load the target from `spec` to write them,
+    on the CPU of a CPU-only head node, once for all sources."""
     lists: list[list[str] | None] = []
     todo = []
     for source in data.sources:
@@ -111,25 +113,31 @@ def _cached_prompts(
             )
             save_prompts(data, target.fingerprint, got, source)
             lists[i] = got.prompts
-    return interleave(lists)
+    placed = interleave(lists)
+    lengths = data.response_lengths
+    return (
+        [lists[k][j] for k, j in placed],
+        [lengths[k] for k, _ in placed] if len(set(lengths)) > 1 else None,
+    )
 
 
-def interleave(lists: list[list[sources.Prompt]]) -> list[sources.Prompt]:
-    """The lists merged so each keeps its order and its share of every stretch: item j of
-    a list of n sits at (j + 0.5) / n of the way (ties: the earlier list first). A prompt
-    in two lists is kept once, where it comes first."""
+def interleave(lists: list[list[sources.Prompt]]) -> list[tuple[int, int]]:
+    """The (list, item) places of the lists merged so each keeps its order and its share of
+    every stretch: item j of a list of n sits at (j + 0.5) / n of the way (ties: the earlier
+    list first). A prompt in two lists is kept once, where it comes first."""
     placed = sorted(
         ((j + 0.5) / len(items), k, j) for k, items in enumerate(lists) for j in range(len(items))
     )
     unique = {}
     for _, k, j in placed:
-        unique.setdefault(sources.prompt_key(lists[k][j]), lists[k][j])
+        unique.setdefault(sources.prompt_key(lists[k][j]), (k, j))
     return list(unique.values())
 
 
 def _run_shards(
     todo: list[int],
     prompts: list[sources.Prompt],
+    lengths: list[int] | None,
     shard_size: int,
     num_shards: int,
     data: DataConfig,
@@ -141,7 +149,11 @@ def _run_shards(
     if not ray.is_initialized():
         ray.init()
     rows = [
-        {"shard": i, "prompts": json.dumps(prompts[i * shard_size : (i + 1) * shard_size])}
+        {
+            "shard": i,
+            "prompts": json.dumps(prompts[i * shard_size : (i + 1) * shard_size]),
+            "lengths": json.dumps(lengths and lengths[i * shard_size : (i + 1) * shard_size]),
+        }
         for i in todo
     ]  # JSON: chat prompts are lists (`ShardGenerator`)
     ctx = ray.data.DataContext.get_current()
@@ -195,6 +207,7 @@ def _run_shards(
 def _generate(
     root: Path,
     prompts: list[sources.Prompt],
+    lengths: list[int] | None,
     shard_size: int,
     data: DataConfig,
     target_spec: TargetSpec,
@@ -217,7 +230,9 @@ def _generate(
     )
     todo, reused = reuse_donor_shards(root, todo, prompts, shard_size, data, fingerprint, progress)
     if todo:
-        _run_shards(todo, prompts, shard_size, num_shards, data, target_spec, work, progress)
+        _run_shards(
+            todo, prompts, lengths, shard_size, num_shards, data, target_spec, work, progress
+        )
     ds = concat_shards(work, num_shards)
     dsd = train_eval_split(ds, data.eval_fraction, data.seed)
     meta = dataset_meta(ds, dsd, data, target_spec, fingerprint, len(prompts), shard_size, reused)
@@ -279,10 +294,12 @@ def load_or_generate(
             logger.info("reusing cached self-distillation data at %s", final)
         else:
             _check_generator(data)
-            prompts, shard_size = _prompts_and_plan(root / "work", data, target, spec, progress)
+            prompts, lengths, shard_size = _prompts_and_plan(
+                root / "work", data, target, spec, progress
+            )
             if torch.cuda.is_available():  # the actors load their own copies
                 torch.cuda.empty_cache()
-            _generate(root, prompts, shard_size, data, spec, fingerprint, progress)
+            _generate(root, prompts, lengths, shard_size, data, spec, fingerprint, progress)
             if not keep_shards:
                 shutil.rmtree(root / "work", ignore_errors=True)
     return datasets.load_from_disk(str(final))
