@@ -58,7 +58,7 @@ def _hf_responses(
     eos: list[int],
 ) -> list[list[int]]:
     """HF `generate`'s new ids per prompt (padding after EOS included), left-padded batches,
-    each decoded to its longest prompt's length: a row's first n tokens are what n would
+    each decoded to the longest length asked in it: a row's first n tokens are what n would
     give (greedy, and our sampler draws the same numbers each step whatever the length)."""
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
