@@ -164,3 +164,16 @@ def test_search_setup_grid_random_optuna(tmp_path):
     suggested = alg.suggest("trial-1")
     assert suggested["drafter.k"] in (2, 4) and 1e-4 <= suggested["train.lr"] <= 1e-2
     assert suggested["tree"] in ("chain", "searched-8")
+
+
+def test_speeds_within_the_tie_go_to_the_higher_tau():
+    """A 1-minute trial once measured 4% faster than the 4-minute baseline, with less tau:
+    within sweep.tie that is a short bench's noise and the higher tau wins; beyond it, speed."""
+    from draftlab.sweep.runner import fastest
+
+    baseline = {"source": "baseline", "speedup_vs_ar": 1.420, "tau": 1.607}
+    trial = {"source": "sweep", "speedup_vs_ar": 1.473, "tau": 1.591}
+    assert fastest([baseline, trial], 0.05) is baseline
+    assert fastest([baseline, trial], 0.0) is trial
+    assert fastest([baseline, trial | {"speedup_vs_ar": 1.55}], 0.05)["source"] == "sweep"
+    assert fastest([baseline | {"speedup_vs_ar": None}, trial], 0.05) is trial

@@ -61,7 +61,8 @@ def test_sweep_trains_once_per_config_stops_a_bad_training_and_promotes_the_fast
     """One sweep (2 trainings x 2 trees, ASHA on): the good training serves both its trees
     from one fit; lr 1e-9 never learns, so at the first rung (2 reports, step 16) its simulated
     acceptance is below the good trial's and ASHA stops it (and its second tree) before its 24
-    steps; the faster tree of the good training is promoted."""
+    steps; the faster tree of the good training (within 5%, the one of more tau) is
+    promoted."""
     train = TrainConfig(
         epochs=4,
         batch_size=2,
@@ -108,8 +109,9 @@ def test_sweep_trains_once_per_config_stops_a_bad_training_and_promotes_the_fast
         first["training_key"] == second["training_key"]
         and first["ar_tokens_per_s"] == second["ar_tokens_per_s"]
     )
-    best = max(rows, key=lambda r: r["speedup_vs_ar"])
-    assert summary["best"]["mlflow_run_id"] == best["mlflow_run_id"]
+    best, top = summary["best"], max(r["speedup_vs_ar"] for r in rows)
+    near = [r for r in rows if r["speedup_vs_ar"] >= top * 0.95]  # sweep.tie: 5%
+    assert best in near and best["tau"] == max(r["tau"] for r in near)
 
     parent = client.get_run(summary["mlflow_parent_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["draftlab.kind"] == "sweep"

@@ -34,6 +34,9 @@ class SweepStage(StrictModel):
     """Early stopping; None = every trial trains to its budget."""
     max_failures: int = Field(1, ge=-1)
     """Retries of a crashed trial."""
+    tie: float = Field(0.05, ge=0, lt=1)
+    """Speedups within this fraction of the fastest are a tie, broken by the higher tau: among
+    the trials, and at promotion between the sweep's best and the baseline (SweepConfig.tie)."""
 
 
 VLLM_CONTENDERS = ["vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]

@@ -404,6 +404,7 @@ def format_summary(s: dict) -> str:
     lines += [
         f"champion: {c['model']} version {c['version']} @{c['alias']} (from the {c['source']}): "
         f"{c['family']} drafter K={c['k']} depth={c['depth']} tree={c['tree']}",
+        *([f"  {c['reason']}"] if c.get("reason") else []),
         f"  measured in {cmp.get('engine', 'draftlab')} on {cmp['prompts']} prompts "
         f"({cmp['device']}): {cmp['method']} tau {cmp['tau']:.2f}, "
         + ", ".join(

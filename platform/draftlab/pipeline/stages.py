@@ -27,7 +27,7 @@ from draftlab.profiling import run_profile
 from draftlab.report import write_report
 from draftlab.serve.control import deploy
 from draftlab.serve.pair import resolve_pair
-from draftlab.sweep.runner import STATE_FILE, resume_sweep, start_sweep
+from draftlab.sweep.runner import STATE_FILE, fastest, resume_sweep, start_sweep
 from draftlab.tracking import promote as promote_run
 from draftlab.vllm_offline import INSTALL_HINT, require_vllm
 from draftlab.vllm_scheduler import require_arctic
@@ -121,11 +121,23 @@ def candidates(run: PipelineRun) -> list[dict]:
 
 
 def promote(run: PipelineRun) -> dict:
-    best = max(candidates(run), key=lambda c: c["speedup_vs_ar"] or 0.0)
-    out = promote_run(
+    """The faster of the baseline and the sweep's best (a tie within `sweep.tie` goes to the
+    higher tau) becomes @champion."""
+    cands = candidates(run)
+    tie = run.p.sweep.tie if run.p.sweep else 0.0
+    best = fastest(cands, tie)
+    promoted = promote_run(
         best["mlflow_run_id"], registered_name(run.p.distill), tracking_uri=run.tracking_uri
     )
-    return best | out | {"model_uri": f"models:/{out['model']}@{out['alias']}"}
+    out = best | promoted | {"model_uri": f"models:/{promoted['model']}@{promoted['alias']}"}
+    faster = max(cands, key=lambda c: c["speedup_vs_ar"] or 0.0)
+    if faster is not best:
+        out["reason"] = (
+            f"the {faster['source']} measured {faster['speedup_vs_ar']:.3f}x ar against "
+            f"{best['speedup_vs_ar']:.3f}x, within sweep.tie ({tie:.0%}): a tie, broken by the "
+            f"higher tau ({best['tau']:.2f} against {faster['tau']:.2f})"
+        )
+    return out
 
 
 def champion_is_current(run: PipelineRun, outputs: dict) -> bool:

@@ -97,6 +97,11 @@ class SweepConfig(StrictModel):
     """MLflow experiment of the parent run (one per sweep) and its nested trial runs."""
     promote: bool = True
     """Give the best trial's drafter the `champion` alias on the target's registered model."""
+    tie: float = Field(0.05, ge=0, lt=1)
+    """Measured speedups within this fraction of the fastest are a tie, which the higher tau
+    breaks (`sweep.runner.fastest`): one short bench on a shared CPU moves a speed this much
+    (a 1-minute trial once measured 4% faster than the 4-minute baseline, with less tau),
+    while acceptance does not move with load. 0 = the fastest measured, always."""
     max_failures: int = Field(1, ge=-1)
     """Retries of a crashed trial (it resumes its training from the latest checkpoint)."""
 
