@@ -135,7 +135,7 @@ def promote(run: PipelineRun) -> dict:
         out["reason"] = (
             f"the {faster['source']} measured {faster['speedup_vs_ar']:.3f}x ar against "
             f"{best['speedup_vs_ar']:.3f}x, within sweep.tie ({tie:.0%}): a tie, broken by the "
-            f"higher tau ({best['tau']:.2f} against {faster['tau']:.2f})"
+            f"higher tau ({best['tau']:.2f} against {faster['tau'] or 0.0:.2f})"
         )
     return out
 
