@@ -130,7 +130,7 @@ def promote(run: PipelineRun) -> dict:
         best["mlflow_run_id"], registered_name(run.p.distill), tracking_uri=run.tracking_uri
     )
     out = best | promoted | {"model_uri": f"models:/{promoted['model']}@{promoted['alias']}"}
-    faster = max(cands, key=lambda c: c["speedup_vs_ar"] or 0.0)
+    faster = fastest(cands, 0.0)  # the fastest measured, tie or not
     if faster is not best:
         out["reason"] = (
             f"the {faster['source']} measured {faster['speedup_vs_ar']:.3f}x ar against "
