@@ -379,12 +379,13 @@ def _sweep(sweep: dict, src: Path, plots: Path) -> list[tuple]:
             )
         )
     if all((src / name).is_file() for name in SWEEP_PLOTS):
-        for name in SWEEP_PLOTS:
+        names = [*SWEEP_PLOTS, *sorted(p.name for p in src.glob("by_*.png"))]  # + swept fields
+        for name in names:
             shutil.copyfile(src / name, plots / name)
     else:  # a summary without its plots (copied alone): draw them again from the rows
-        write_plots(rows, plots)
+        names = [p.name for p in write_plots(rows, plots)]
     return blocks + [
-        ("img", plots / name, name.removesuffix(".png").replace("_", " ")) for name in SWEEP_PLOTS
+        ("img", plots / name, name.removesuffix(".png").replace("_", " ")) for name in names
     ]
 
 

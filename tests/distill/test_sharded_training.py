@@ -17,7 +17,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from safetensors.torch import load_file
 
 from distill_support import tiny_config
-from draftlab.config import BenchSpec, DistillConfig, ScalingSpec, TrainConfig
+from draftlab.config import BenchSpec, ConfigError, DistillConfig, ScalingSpec, TrainConfig
 from draftlab.distill.evaluation import evaluate
 from draftlab.distill.launch import run_distill
 from draftlab.distill.objective import DistillModule
@@ -143,3 +143,23 @@ def test_fsdp_trains_checkpoints_resumes_evaluates_and_exports(tmp_path):
     steps = {key: float(t) for key, t in opt.items() if key.endswith("/step")}
     assert steps and set(steps.values()) == {9.0}  # AdamW counted on from the restored state
     assert all(key.split("/")[0] in saved for key in opt)  # keyed by the drafter's parameter names
+
+
+def test_max_samples_trains_on_the_first_samples_and_a_size_past_the_split_fails_first(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sections = dict(
+        scaling=ScalingSpec(num_workers=1, max_failures=0), bench=BenchSpec(enabled=False)
+    )
+    train = dict(epochs=1, batch_size=2, warmup_steps=1, checkpoint_every=50, eval_every=50)
+    with pytest.raises(ConfigError, match="train.max_samples = 13, but the training split has 12"):
+        run_distill(
+            tiny_config(tmp_path, "too-many", uri, train=TrainConfig(max_samples=13, **train)),
+            progress=False,
+        )
+    out = run_distill(
+        tiny_config(
+            tmp_path, "first-4", uri, train=TrainConfig(max_samples=4, **train), **sections
+        ),
+        progress=False,
+    )
+    assert out["steps"] == 2  # 4 of the 12 training rows, 2 a step (all 12: 6 steps)

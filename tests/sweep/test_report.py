@@ -1,4 +1,4 @@
-"""Sweep result files: CSV order, the Pareto front, and the four plots."""
+"""Sweep result files: CSV order, the Pareto front, the four plots and one per swept number."""
 
 import csv
 
@@ -54,3 +54,20 @@ def test_plots_are_written_as_png(tmp_path):
     ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_a_swept_number_gets_its_curve_of_speedup_and_accept_length(tmp_path):
+    """Minutes 1, 2, 4 (two trees each: the faster one counts); the lr took one value and the
+    family is not a number, so neither gets a plot."""
+    point = {"train.lr": 1e-3, "drafter.family": "p-eagle"}
+    rows = [
+        _row(
+            2, 1, tree, 2, 1.0 + m / 20 + extra, 4_000_000, **{"eval/sim_accept_len": 1.2 + m / 10}
+        )
+        | {"params": point | {"train.time_budget_minutes": m}}
+        for m in (1, 2, 4)
+        for tree, extra in (("chain", 0.0), ("searched-4", 0.01))
+    ]
+    paths = write_plots(rows, tmp_path / "plots")
+    assert [p.name for p in paths][4:] == ["by_train_time_budget_minutes.png"]
+    assert paths[4].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[4].stat().st_size > 5000

@@ -104,6 +104,7 @@ def test_sweep_trains_once_per_config_stops_a_bad_training_and_promotes_the_fast
     assert all(r["train_steps"] == 24 for r in rows)
     assert sum(r["trained_here"] for r in rows) == 1
     assert all(r["greedy_identical"] for r in rows)
+    assert all(r["params"] == {"train.lr": 3e-3} for r in rows)  # each row's point in the space
     first, second = rows  # the trees of one drafter share its training and its ar baseline
     assert (
         first["training_key"] == second["training_key"]

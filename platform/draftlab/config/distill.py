@@ -79,6 +79,11 @@ class TrainConfig(StrictModel):
     time_budget_minutes: float | None = Field(None, gt=0.0)
     """Stop training after this much wall-clock time (checkpointed), e.g. to compare
     drafters under the same budget."""
+    max_samples: int | None = Field(None, ge=1)
+    """Train on the first N samples of the training split only (None = all of it): the
+    data-size axis of a scaling sweep over one cached data set
+    (`sweeps/scaling-smollm2-135m-cpu.yaml`). The held-out split is unchanged; N above the
+    split's size is an error that names both."""
     batch_size: int = Field(4, ge=1)
     """Sequences per step per worker."""
     max_seq_len: int = Field(384, ge=8)

@@ -1,6 +1,6 @@
 """The drafter a training run starts from (unless it resumes from a checkpoint): new, with
 VocabTrim's token set counted from the training data, or loaded from `drafter.init_from`;
-and the cached features it can train on.
+the samples it trains on (`train.max_samples`) and the cached features it can train on.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import datasets
 import torch
 
-from draftlab.config import DistillConfig
+from draftlab.config import ConfigError, DistillConfig
 from draftlab.models.drafters.build import init_drafter, load_drafter
 from draftlab.models.drafters.network import DrafterNet
 from draftlab.models.drafters.p_eagle import resolve_aux_layers
@@ -34,6 +34,18 @@ def frequent_tokens(
     score = resp.double() * (prompt.max().double() + 1) + prompt.double() + rank
     score[list(always)] = float("inf")
     return score.topk(n).indices.sort().values  # (n,)
+
+
+def training_samples(train: datasets.Dataset, max_samples: int | None) -> datasets.Dataset:
+    """The first `max_samples` rows of the training split (`train.max_samples`; None = all)."""
+    if max_samples is None:
+        return train
+    if max_samples > len(train):
+        raise ConfigError(
+            f"train.max_samples = {max_samples}, but the training split has {len(train)} "
+            "samples: lower it, or generate more (data.source.num_prompts)"
+        )
+    return train.select(range(max_samples))
 
 
 def build_drafter(cfg: DistillConfig, target: Target, train: datasets.Dataset) -> DrafterNet:

@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from draftlab.cluster import ensure_ray, output_dir, storage_uri
 from draftlab.config import ConfigError, DistillConfig
 from draftlab.data.selfdistill import load_or_generate
+from draftlab.distill.drafter_setup import training_samples
 from draftlab.distill.payload import WorkerPayload
 from draftlab.distill.worker import train_fn_per_worker
 from draftlab.storage import is_uri, publish
@@ -133,6 +134,7 @@ def run_distill(cfg: DistillConfig, progress: bool = True) -> dict:
     # load_from_disk maps <dataset>/<split>/data-*.arrow: workers reopen the same directory.
     data_path = Path(data["train"].cache_files[0]["filename"]).parent.parent
     data_seconds = time.perf_counter() - t0
+    training_samples(data["train"], cfg.train.max_samples)  # a bad size fails here, not in Train
 
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     limit = cfg.tracking.max_outage_s

@@ -31,7 +31,7 @@ import torch
 
 from draftlab.data.selfdistill import training_view
 from draftlab.distill.checkpoint import restore_checkpoint, save_checkpoint
-from draftlab.distill.drafter_setup import build_drafter, usable_features
+from draftlab.distill.drafter_setup import build_drafter, training_samples, usable_features
 from draftlab.distill.evaluation import (
     all_ranks_gather,
     all_ranks_max,
@@ -115,7 +115,7 @@ class DistillRecipe:
             max_buffer_seconds=cfg.tracking.max_outage_s,
             max_outage_s=cfg.tracking.max_outage_s,
         )
-        train, evalset = data["train"], data["eval"]
+        train, evalset = training_samples(data["train"], cfg.train.max_samples), data["eval"]
         self._setup_drafter(train)
         self.train_set, self.evalset = (
             usable_features(d, cfg, self.target, self.drafter) for d in (train, evalset)

@@ -1,7 +1,8 @@
 """Sweep results as files: the table (CSV) and the plots logged on the sweep's parent run.
 
 A row is one trial: `family`, `k`, `depth`, `tree`, `tree_nodes`, `tau`, `speedup_vs_ar`,
-`drafter_parameters` and optionally `tau_by_category` ({category: tau}).
+`drafter_parameters` and optionally `tau_by_category` ({category: tau}), `eval/sim_accept_len`
+and `params` ({swept field: its value}).
 """
 
 from __future__ import annotations
@@ -72,8 +73,41 @@ def _save(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Pat
     return finish(plt, fig, [ax], path)
 
 
+def parameter_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """by_<field>.png for each numeric swept field of two or more values: the speedup and the
+    held-out simulated accept length of the best trial at each value (a scaling curve when
+    the field is `train.time_budget_minutes` or `train.max_samples`)."""
+    paths = []
+    for key in sorted({k for r in rows for k in r.get("params") or {}}):
+        best: dict[float, dict] = {}  # value -> the fastest trial there
+        for r in rows:
+            v = (r.get("params") or {}).get(key)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                if v not in best or r["speedup_vs_ar"] > best[v]["speedup_vs_ar"]:
+                    best[v] = r
+        if len(best) < 2:
+            continue
+        xs = sorted(best)
+        plt, fig, (left, right) = figure(ncols=2)
+        left.plot(xs, [best[x]["speedup_vs_ar"] for x in xs], marker="o")
+        left.set(title=f"Speedup vs {key}", xlabel=key, ylabel="speedup vs target-only")
+        accept = [(x, best[x].get("eval/sim_accept_len")) for x in xs]
+        accept = [(x, a) for x, a in accept if a is not None]
+        right.plot([x for x, _ in accept], [a for _, a in accept], marker="o", color="C1")
+        right.set(
+            title=f"Held-out sim. accept length vs {key}", xlabel=key, ylabel="tokens a round"
+        )
+        for ax in (left, right):
+            if xs[-1] >= 4 * xs[0] > 0:  # minutes or samples doubling: even steps on a log axis
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the swept values, as written
+        paths.append(finish(plt, fig, [left, right], out_dir / f"by_{key.replace('.', '_')}.png"))
+    return paths
+
+
 def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
-    """speedup_vs_k.png, speedup_vs_tree_budget.png, pareto.png, tau_by_category.png."""
+    """speedup_vs_k.png, speedup_vs_tree_budget.png, pareto.png, tau_by_category.png, then
+    `parameter_plots`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -152,4 +186,4 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
     ax.tick_params(axis="x", rotation=45)
     title = f"tau per category (K={best['k']}, depth {best['depth']}, {best['tree']})"
     paths.append(_save(plt, fig, ax, out_dir / "tau_by_category.png", title, "category", "tau"))
-    return paths
+    return paths + parameter_plots(rows, out_dir)

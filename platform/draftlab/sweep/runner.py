@@ -28,6 +28,7 @@ from rich.table import Table
 from draftlab.cluster import ensure_ray, storage_uri
 from draftlab.config import ConfigError
 from draftlab.data.selfdistill import load_or_generate
+from draftlab.distill.drafter_setup import training_samples
 from draftlab.distill.launch import registered_name
 from draftlab.submit import check_hub_access
 from draftlab.sweep.report import write_csv, write_plots
@@ -211,6 +212,10 @@ def start_sweep(sweep: SweepConfig, base: dict, source: str, progress: bool = Tr
     ensure_ray()
     data = load_or_generate(cfg.data, cfg.target, progress=progress)  # cached: never per trial
     data_path = str(Path(data["train"].cache_files[0]["filename"]).parent.parent)
+    dim = sweep.space.get("train.max_samples")  # a data-size axis: within the cached split
+    largest = max(dim if isinstance(dim, list) else next(iter(dim.values()))) if dim else None
+    for n in (cfg.train.max_samples, largest):
+        training_samples(data["train"], n)
     state = {
         "sweep": sweep.model_dump(mode="json"),
         "base": base,
@@ -377,7 +382,8 @@ def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
         m = r.metrics or {}
         trial = m.get("trial_id") or (Path(r.path).name if r.path else "?")
         if m.get("status") == "done":
-            rows.append({"trial": trial, **{k: m.get(k) for k in ROW_KEYS}})
+            params = {k: (r.config or {}).get(k) for k in sweep.space}  # its point in the space
+            rows.append({"trial": trial, **{k: m.get(k) for k in ROW_KEYS}, "params": params})
         else:
             other.append(
                 {
