@@ -177,3 +177,26 @@ def test_speeds_within_the_tie_go_to_the_higher_tau():
     assert fastest([baseline, trial], 0.0) is trial
     assert fastest([baseline, trial | {"speedup_vs_ar": 1.55}], 0.05)["source"] == "sweep"
     assert fastest([baseline | {"speedup_vs_ar": None}, trial], 0.05) is trial
+
+
+def test_unfinished_trials_say_why_an_asha_stop_from_an_interruption(tmp_path):
+    """ASHA stops only trials that reported a training step; a sweep stopped (Ctrl-C) before a
+    trial's first report leaves it `interrupted`, not `stopped (ASHA)`."""
+    from draftlab.sweep.runner import summarise
+
+    sweep, _ = load_sweep(_write(tmp_path, space={"train.lr": [1e-3, 3e-3, 1e-2]}))
+    grid = [
+        tune.Result(metrics=m, checkpoint=None, error=e, path=str(tmp_path / name))
+        for name, m, e in (
+            ("asha", {"trial_id": "a", "step": 8, "eval/sim_accept_len": 1.1}, None),
+            ("ctrl-c", {}, None),
+            ("failed", {"trial_id": "f"}, RuntimeError("boom")),
+        )
+    ]
+    summary = summarise(grid, sweep, tmp_path / "results")
+    assert summary["trials_done"] == 0
+    assert [(o["trial"], o["status"]) for o in summary["not_finished"]] == [
+        ("a", "stopped (ASHA)"),
+        ("ctrl-c", "interrupted"),
+        ("f", "error"),
+    ]

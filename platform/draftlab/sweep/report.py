@@ -74,9 +74,10 @@ def _save(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> Pat
 
 
 def parameter_plots(rows: list[dict], out_dir: Path) -> list[Path]:
-    """by_<field>.png for each numeric swept field of two or more values: the speedup and the
-    held-out simulated accept length of the best trial at each value (a scaling curve when
-    the field is `train.time_budget_minutes` or `train.max_samples`)."""
+    """by_<field>.png for each numeric swept field of two or more values: the speedup, and the
+    measured tau beside the simulated accept length on the training data's held-out split, of
+    the best trial at each value (a scaling curve when the field is
+    `train.time_budget_minutes` or `train.max_samples`)."""
     paths = []
     for key in sorted({k for r in rows for k in r.get("params") or {}}):
         best: dict[float, dict] = {}  # value -> the fastest trial there
@@ -91,12 +92,15 @@ def parameter_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         plt, fig, (left, right) = figure(ncols=2)
         left.plot(xs, [best[x]["speedup_vs_ar"] for x in xs], marker="o")
         left.set(title=f"Speedup vs {key}", xlabel=key, ylabel="speedup vs target-only")
-        accept = [(x, best[x].get("eval/sim_accept_len")) for x in xs]
-        accept = [(x, a) for x, a in accept if a is not None]
-        right.plot([x for x, _ in accept], [a for _, a in accept], marker="o", color="C1")
-        right.set(
-            title=f"Held-out sim. accept length vs {key}", xlabel=key, ylabel="tokens a round"
-        )
+        for field, label, color in (
+            ("tau", "tau measured on the bench prompts", "C1"),
+            ("eval/sim_accept_len", "simulated on the held-out split", "C2"),
+        ):
+            at = [x for x in xs if best[x].get(field) is not None]
+            if at:
+                right.plot(at, [best[x][field] for x in at], marker="o", color=color, label=label)
+        right.set(title=f"Accept length vs {key}", xlabel=key, ylabel="tokens a target forward")
+        right.legend()
         for ax in (left, right):
             if xs[-1] >= 4 * xs[0] > 0:  # minutes or samples doubling: even steps on a log axis
                 ax.set_xscale("log", base=2)

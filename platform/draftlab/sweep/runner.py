@@ -375,6 +375,14 @@ ROW_KEYS = (
 )
 
 
+def _unfinished(error, metrics: dict) -> str:
+    """Why a trial has no final row: ASHA judges reported steps, so one that never reported
+    was interrupted (Ctrl-C, a lost node) before its first."""
+    if error:
+        return "error"
+    return "stopped (ASHA)" if metrics.get("step") is not None else "interrupted"
+
+
 def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
     """Rows of the finished trials, the results files and the best trial."""
     rows, other = [], []
@@ -388,7 +396,7 @@ def summarise(grid, sweep: SweepConfig, out_dir: Path) -> dict:
             other.append(
                 {
                     "trial": trial,
-                    "status": m.get("status") or ("error" if r.error else "stopped (ASHA)"),
+                    "status": m.get("status") or _unfinished(r.error, m),
                     "config": r.config,
                     "error": str(r.error) if r.error else None,
                     "step": m.get("step"),
