@@ -82,7 +82,7 @@ class TrainConfig(StrictModel):
     max_samples: int | None = Field(None, ge=1)
     """Train on the first N samples of the training split only (None = all of it): the
     data-size axis of a scaling sweep over one cached data set
-    (`sweeps/scaling-smollm2-135m-cpu.yaml`). The held-out split is unchanged; N above the
+    (`sweeps/scaling-data-smollm2-135m-cpu.yaml`). The held-out split is unchanged; N above the
     split's size is an error that names both."""
     batch_size: int = Field(4, ge=1)
     """Sequences per step per worker."""
