@@ -408,7 +408,7 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
     (raylet, worker and what it had buffered). Train waits for resources, resumes from that
     checkpoint on a new node and checkpoints again, still during the outage; the server comes
     back after ~30 s. The run ends as an uninterrupted one would, every metric logged once."""
-    epochs = 100  # 600 steps: still training when the node goes (at step ~60)
+    epochs = 50  # 300 steps: still training when the node goes (at step ~60-90)
     cfg = tiny_config(
         tmp_module,
         "outage",
