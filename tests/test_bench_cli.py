@@ -608,3 +608,21 @@ def test_bench_grafts_drafts_from_the_drafters_lookup_store(tmp_path, tiny):
         assert report["greedy_identical"]
         tau[n] = report["methods"]["draftlab_chain_ngram"]["tau"]
     assert tau["3"] > tau["0"] + 0.5
+
+
+@pytest.mark.parametrize("flags,eager", [([], True), (["--vllm-compile"], False)])
+def test_vllm_engines_run_eager_unless_asked_to_compile_as_served(flags, eager, monkeypatch):
+    """The flag reaches the engines' settings (a compiled engine's start-up compiles for
+    minutes, so the bench itself is not run: the config it would get is captured)."""
+    import draftlab.bench
+
+    got = {}
+
+    def capture(cfg, progress=True):
+        got["cfg"] = cfg
+        raise SystemExit(0)
+
+    monkeypatch.setattr(draftlab.bench, "run_bench", capture)
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", "tiny-llama", "--methods", "vllm_ar", *flags])
+    assert got["cfg"].vllm.enforce_eager is eager

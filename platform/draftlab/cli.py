@@ -300,6 +300,7 @@ def _bench(a: argparse.Namespace) -> None:
         ),
         vllm=VllmBenchSpec(
             memory_fraction=a.vllm_memory_fraction,
+            enforce_eager=not a.vllm_compile,
             draft_lengths=a.vllm_draft_lengths,
             suffix_draft_lengths=a.vllm_suffix_draft_lengths,
         ),

@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     b.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        help="vllm_*: run vLLM's torch.compile'd model, as `draftlab serve` does (each engine "
+        "compiles at start-up: minutes on a small CPU); eager by default",
+    )
+    b.add_argument(
         "--vllm-draft-lengths",
         type=_ints,
         default="",
