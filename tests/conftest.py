@@ -32,6 +32,57 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, torch.get_num_threads() // _workers))
 
 
+# Whole-module seconds of the long modules under the README's `pytest -n 2` on the 2-core CI
+# class (a full run, rounded). `--dist loadfile` hands a worker whole modules; ordered by test
+# count (xdist's default) the few-test Ray Train and Tune modules came last and one worker sat
+# idle for the last ~6 minutes of the 32. Longest first (`_LongestFirst`) levels the two
+# workers' ends; a module not listed counts a second a test. Rough figures are enough.
+MODULE_SECONDS = {
+    "tests/distill/test_faults.py": 340,
+    "tests/pipeline/test_pipeline.py": 330,
+    "tests/sweep/test_sweep_tune.py": 270,
+    "tests/distill/test_distill_ray.py": 230,
+    "tests/distill/test_sharded_training.py": 220,
+    "tests/serve/test_serve_faults.py": 190,
+    "tests/serve/test_vllm_serve.py": 180,
+    "tests/distill/test_job_submission.py": 180,
+    "tests/serve/test_serve_app.py": 170,
+    "tests/data/test_selfdistill.py": 160,
+    "tests/test_vllm_bench.py": 150,
+    "tests/distill/test_s3_storage.py": 150,
+    "tests/sweep/test_sweep_faults.py": 130,
+    "tests/data/test_vllm_writer.py": 110,
+    "tests/sweep/test_trial.py": 80,
+    "tests/decoding/test_lossless_sampling.py": 80,
+    "tests/models/test_attention.py": 75,
+    "tests/test_smoke_smollm2.py": 70,
+    "tests/test_tracking.py": 50,
+    "tests/serve/test_fuzz.py": 45,
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no xdist, no call
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the longest modules handed out first (`MODULE_SECONDS`)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    if gone := [m for m in MODULE_SECONDS if not (config.rootpath / m).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py: MODULE_SECONDS names no such module: {gone}")
+    from xdist.scheduler import LoadFileScheduling  # noqa: PLC0415 -- only under xdist
+
+    class _LongestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            queue = self.workqueue  # module -> {nodeid: done}
+
+            def seconds(module: str) -> float:
+                return MODULE_SECONDS.get(module, len(queue[module]))
+
+            queue.move_to_end(max(queue, key=seconds), last=False)
+            super()._assign_work_unit(node)
+
+    return _LongestFirst(config, log)
+
+
 def _services() -> tuple[bool, int]:
     """(Ray is up in this process, MLflow servers started so far)."""
     ray = sys.modules.get("ray")

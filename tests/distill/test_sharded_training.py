@@ -1,7 +1,7 @@
 """Two Ray Train workers on CPU (gloo): held-out evaluation sharded across the ranks (every
-rank gets the single-worker totals), and FSDP2 training end to end: steps, a checkpoint
-written and resumed (sharded optimizer state included), evaluation, the drafter exported
-and loadable."""
+rank gets the single-worker totals), and FSDP2 training end to end on the first rows of the
+training split (`train.max_samples`): steps, a checkpoint written and resumed (sharded
+optimizer state included), evaluation, the drafter exported and loadable."""
 
 from __future__ import annotations
 
@@ -104,9 +104,16 @@ def test_fsdp_trains_checkpoints_resumes_evaluates_and_exports(tmp_path):
         scaling=ScalingSpec(num_workers=2, cpus_per_worker=1, strategy="fsdp", max_failures=0),
         bench=BenchSpec(enabled=False),
     )
-    # 12 training rows over 2 ranks: 3 batches of 2 per rank and epoch
+    # the first 8 of the 12 training rows (train.max_samples) over 2 ranks: 2 batches of 2 per
+    # rank and epoch (all 12: 3)
     train = dict(
-        batch_size=2, lr=3e-3, warmup_steps=2, checkpoint_every=2, eval_every=3, log_every=1
+        batch_size=2,
+        lr=3e-3,
+        warmup_steps=2,
+        checkpoint_every=2,
+        eval_every=2,
+        log_every=1,
+        max_samples=8,
     )
     first = run_distill(
         tiny_config(tmp_path, "fsdp", uri, train=TrainConfig(epochs=2, **train), **sections),
@@ -115,14 +122,13 @@ def test_fsdp_trains_checkpoints_resumes_evaluates_and_exports(tmp_path):
     assert (first["strategy"], first["world_size"], first["steps"], first["resumed_from_step"]) == (
         "fsdp",
         2,
-        6,
+        4,
         0,
     )
     assert len(first["eval_accuracy"]) == K and first["eval_sim_accept_len"] >= 1.0
     curve = json.loads((Path(first["drafter_dir"]) / "training.json").read_text())
-    assert [e["step"] for e in curve["evaluations"]] == [3, 6]
+    assert [e["step"] for e in curve["evaluations"]] == [2, 4]
 
-    # the exported drafter is the full (gathered) one: what the last checkpoint holds
     exported = load_file(str(Path(first["drafter_dir"]) / "model.safetensors"))
     saved = load_file(str(Path(first["checkpoint"]) / "drafter" / "model.safetensors"))
     assert exported.keys() == saved.keys() and all(
@@ -138,28 +144,19 @@ def test_fsdp_trains_checkpoints_resumes_evaluates_and_exports(tmp_path):
         tiny_config(tmp_path, "fsdp", uri, train=TrainConfig(epochs=3, **train), **sections),
         progress=False,
     )
-    assert (second["resumed_from_step"], second["steps"], second["epochs_done"]) == (6, 9, 3)
+    assert (second["resumed_from_step"], second["steps"], second["epochs_done"]) == (4, 6, 3)
     opt = load_file(str(Path(second["checkpoint"]) / "optimizer.safetensors"))
     steps = {key: float(t) for key, t in opt.items() if key.endswith("/step")}
-    assert steps and set(steps.values()) == {9.0}  # AdamW counted on from the restored state
+    assert steps and set(steps.values()) == {6.0}  # AdamW counted on from the restored state
     assert all(key.split("/")[0] in saved for key in opt)  # keyed by the drafter's parameter names
 
 
-def test_max_samples_trains_on_the_first_samples_and_a_size_past_the_split_fails_first(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    sections = dict(
-        scaling=ScalingSpec(num_workers=1, max_failures=0), bench=BenchSpec(enabled=False)
+def test_max_samples_past_the_training_split_fails_before_training(tmp_path):
+    cfg = tiny_config(
+        tmp_path,
+        "too-many",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        train=TrainConfig(epochs=1, batch_size=2, max_samples=13),
     )
-    train = dict(epochs=1, batch_size=2, warmup_steps=1, checkpoint_every=50, eval_every=50)
     with pytest.raises(ConfigError, match="train.max_samples = 13, but the training split has 12"):
-        run_distill(
-            tiny_config(tmp_path, "too-many", uri, train=TrainConfig(max_samples=13, **train)),
-            progress=False,
-        )
-    out = run_distill(
-        tiny_config(
-            tmp_path, "first-4", uri, train=TrainConfig(max_samples=4, **train), **sections
-        ),
-        progress=False,
-    )
-    assert out["steps"] == 2  # 4 of the 12 training rows, 2 a step (all 12: 6 steps)
+        run_distill(cfg, progress=False)
