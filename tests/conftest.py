@@ -42,7 +42,7 @@ MODULE_SECONDS = {
     "tests/pipeline/test_pipeline.py": 330,
     "tests/sweep/test_sweep_tune.py": 270,
     "tests/distill/test_distill_ray.py": 230,
-    "tests/distill/test_sharded_training.py": 220,
+    "tests/distill/test_sharded_training.py": 190,
     "tests/serve/test_serve_faults.py": 190,
     "tests/serve/test_vllm_serve.py": 180,
     "tests/distill/test_job_submission.py": 180,

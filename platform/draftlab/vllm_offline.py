@@ -39,8 +39,10 @@ INSTALL_HINT = (
 # already in the environment wins). vLLM reads them when the engine starts and its spawned
 # processes inherit them. Tried on a small CPU (2 cores, eager) and left at vLLM's defaults:
 # - VLLM_CPU_OMP_THREADS_BIND: "auto" binds the worker to 1 core and keeps the other for the
-#   engine core process; "0-1" gives the worker both, and one request at a time runs much
-#   slower (the engine core starves).
+#   engine core process; "0-1" gives the worker both. One request at a time ran much slower
+#   with "0-1" when this was chosen (the engine core starved); a later held-out bench on the
+#   2-core AVX2 EPYC ran target-only 25% faster with it (docs/benchmarks.md: "What a drafted
+#   token costs"), so this default is due for another look.
 # - LD_PRELOAD=libiomp5.so (which vLLM's spec-decoding warning asks for): slower here, with
 #   ngram and target-only alike, so not preloaded. Debian's tcmalloc (libtcmalloc-minimal4,
 #   the other library its warning names): no difference beyond run-to-run noise; not

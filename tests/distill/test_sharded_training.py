@@ -129,6 +129,7 @@ def test_fsdp_trains_checkpoints_resumes_evaluates_and_exports(tmp_path):
     curve = json.loads((Path(first["drafter_dir"]) / "training.json").read_text())
     assert [e["step"] for e in curve["evaluations"]] == [2, 4]
 
+    # the exported drafter is the full (gathered) one: what the last checkpoint holds
     exported = load_file(str(Path(first["drafter_dir"]) / "model.safetensors"))
     saved = load_file(str(Path(first["checkpoint"]) / "drafter" / "model.safetensors"))
     assert exported.keys() == saved.keys() and all(
