@@ -40,9 +40,10 @@ INSTALL_HINT = (
 # processes inherit them. Tried on a small CPU (2 cores, eager) and left at vLLM's defaults:
 # - VLLM_CPU_OMP_THREADS_BIND: "auto" binds the worker to 1 core and keeps the other for the
 #   engine core process; "0-1" gives the worker both. One request at a time ran much slower
-#   with "0-1" when this was chosen (the engine core starved); a later held-out bench on the
-#   2-core AVX2 EPYC ran target-only 25% faster with it (docs/benchmarks.md: "What a drafted
-#   token costs"), so this default is due for another look.
+#   with "0-1" when this was chosen (the engine core starved); later held-out benches on the
+#   2-core AVX2 EPYC ran target-only 25-30% faster with it (docs/benchmarks.md: "What a drafted
+#   token costs"). The served config sets "0-1", and the pipeline's compare stage measures with
+#   the served environment (`VllmBenchSpec.env`); a bare `draftlab bench` keeps vLLM's default.
 # - LD_PRELOAD=libiomp5.so (which vLLM's spec-decoding warning asks for): slower here, with
 #   ngram and target-only alike, so not preloaded. Debian's tcmalloc (libtcmalloc-minimal4,
 #   the other library its warning names): no difference beyond run-to-run noise; not
@@ -171,6 +172,8 @@ class VllmEngine:
     default, 1: right for one request at a time, 0 for batches, see `CPU_ENV_DEFAULTS`).
     `memory_setting` names the caller's setting behind `memory_fraction` in the error a
     failed start-up raises (most often: too little memory left for the KV cache).
+    `env`: environment variables set while the engine lives (e.g. `VLLM_CPU_OMP_THREADS_BIND`
+    as a server deploys it); unlike the defaults above they win over the caller's environment.
     `whole_prefills` schedules every prompt's prefill in one step (no chunked prefill): on
     the CPU backend a seeded request whose prefill is split crashes the engine ("CPU
     Generator does not use offset": vLLM rewinds the request's generator after a partial
@@ -194,6 +197,7 @@ class VllmEngine:
         reserved_cpus: int | None = None,
         memory_setting: str = "memory_fraction",
         whole_prefills: bool = False,
+        env: dict[str, str] | None = None,
     ):
         self.model_dir = str(Path(model_dir).expanduser())
         self.kwargs = (
@@ -227,6 +231,8 @@ class VllmEngine:
             self.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
         if in_process is not None:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        self.env |= env or {}
+        self._given = {*(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING"}  # these win (init doc)
         self.memory_setting = memory_setting
         self.llm = None
         self.startup_s = 0.0
@@ -235,10 +241,10 @@ class VllmEngine:
         require_vllm()
         from vllm import LLM  # noqa: PLC0415 -- vLLM, optional
 
-        # Defaults only: what the caller's environment sets wins (an explicit in_process wins).
+        # Defaults only: what the caller's environment sets wins (`env` and in_process win).
         self._saved_env = {k: os.environ.get(k) for k in self.env}
         for k, v in self.env.items():
-            if k == "VLLM_ENABLE_V1_MULTIPROCESSING" or k not in os.environ:
+            if k in self._given or k not in os.environ:
                 os.environ[k] = v
         # In-process, vLLM sets this process's torch threads to 1 and replaces
         # `torch.set_num_threads` with a no-op; both are put back on close.

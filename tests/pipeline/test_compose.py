@@ -209,6 +209,19 @@ def test_the_vllm_verdict_is_deployed_on_the_vllm_serve_config():
     assert (
         type(p.serve_spec("models:/d@champion", "sqlite:///m.db")["args"]).__name__ == "ServeArgs"
     )
+    # the compare stage measures vLLM in the environment it is served with (both cores here)
+    assert p.compare_vllm("m", "sqlite:///m.db").env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    own = load_pipeline(
+        ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml",
+        {
+            "serve.vllm_overrides.env": {"VLLM_CPU_OMP_THREADS_BIND": "0", "X": "1"},
+            "compare.vllm.env": {"X": "2"},
+        },
+    )
+    assert own.compare_vllm("m", "sqlite:///m.db").env == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "X": "2",
+    }  # the deployed environment, under the compare stage's own
     with pytest.raises(ConfigError, match=r"(?s)serve.vllm_overrides.*enforce_eagre: unknown key"):
         load_pipeline(
             ROOT / "jobs/configs/pipeline-smollm2-135m-cpu.yaml",

@@ -23,6 +23,7 @@ from draftlab.config import (
     DistillConfig,
     apply_dotted,
     format_validation_error,
+    VllmBenchSpec,
     load_yaml,
     read_mapping,
 )
@@ -75,6 +76,16 @@ class Pipeline:
     def sweep_base(self, parent_run_id: str | None) -> dict:
         """The sweep's base DistillConfig dict, its runs nested under `parent_run_id`."""
         return _with_tracking(copy.deepcopy(self.trial_base), parent_run_id=parent_run_id)
+
+    def compare_vllm(self, model_uri: str, tracking_uri: str) -> VllmBenchSpec:
+        """`compare.vllm` with the environment vLLM is deployed with (`serve.vllm_config`'s
+        `env` after `serve.vllm_overrides`) under its own `env`: the contenders are measured
+        as they would be served."""
+        c = self.cfg.compare.vllm
+        if self.serve_vllm is None:
+            return c
+        served = self.serve_spec(model_uri, tracking_uri, {})["args"].env
+        return c.model_copy(update={"env": served | c.env})
 
     def serve_spec(self, model_uri: str, tracking_uri: str, deploy: dict | None = None) -> dict:
         """The Serve spec with the champion (`model_uri` in `tracking_uri`'s registry) and,

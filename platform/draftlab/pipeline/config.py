@@ -68,7 +68,8 @@ class CompareStage(StrictModel):
     load_requests: int | None = Field(None, ge=1)
     """Requests per load level; None = max(prompts, 2 x level)."""
     vllm: VllmBenchSpec = Field(default_factory=VllmBenchSpec)
-    """vLLM engine settings of the contenders."""
+    """vLLM engine settings of the contenders; their `env` starts from the environment of
+    `serve.vllm_config` (after `serve.vllm_overrides`), so they are measured as deployed."""
     limit: int | None = Field(5, ge=1)
     """First N of the pipeline's prompts (None = all)."""
     max_new_tokens: int = Field(96, ge=1)

@@ -199,6 +199,7 @@ def compare(run: PipelineRun) -> dict:
     if note and run.progress:
         print(f"compare: {note}", flush=True)
     methods = ["ar", *contenders] if engine == "vllm" else c.methods
+    vllm = run.p.compare_vllm(champ["model_uri"], run.tracking_uri) if engine == "vllm" else c.vllm
     bench = BenchConfig(
         target=cfg.target,
         drafter=None,
@@ -206,7 +207,7 @@ def compare(run: PipelineRun) -> dict:
         limit=c.limit,
         max_new_tokens=c.max_new_tokens,
         methods=methods,
-        vllm=c.vllm,
+        vllm=vllm,
         concurrency=c.concurrency if engine == "vllm" else [],
         load_requests=c.load_requests,
     ).model_dump(mode="json")
