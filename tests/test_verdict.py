@@ -123,32 +123,6 @@ def test_lookups_engine_schedules_the_tokens_it_drafts_a_step():
     assert v["deploy"]["schedule"] == [[1, 1, 5], [2, 1024, 0]]
 
 
-def test_a_gated_drafter_that_wins_is_deployed_with_its_gate_and_serves_as_measured():
-    """`<method>@p0.3` (only drafts of probability >= 0.3 verified, on the method's engine)
-    deploys its engine with `draft_min_prob: 0.3`, and those serve args build that engine."""
-    r = _report(
-        {"vllm_ar": 10, "vllm_draftlab_ngram": 11, "vllm_draftlab_ngram@p0.3": 13},
-        {"vllm_ar": {1: 10, 4: 30}, "vllm_draftlab_ngram@p0.3": {1: 13, 4: 33}},
-        lookups=True,
-    )
-    v = verdict(r, BenchConfig())
-    assert v["served"] == "vllm_draftlab_ngram@p0.3"
-    deploy = v["deploy"]
-    assert deploy["draft_min_prob"] == 0.3 and deploy["prompt_lookup"] == "on"
-    assert deploy["schedule"] == [[1, 1024, 5]]
-    args = VllmServeArgs(target={"name": "t"}, drafter="d", **deploy)
-    kw = engine_kwargs(None, {"method": "eagle3", "model": "m"}, 3, args.draft_min_prob)
-    assert kw["additional_config"]["draftlab_lookup"]["min_prob"] == 0.3
-    assert kw["speculative_config"]["draft_sample_method"] == "greedy"
-
-
-def test_draft_min_prob_is_for_the_drafter_only():
-    with pytest.raises(ValueError, match="draft_min_prob gates a trained drafter"):
-        VllmServeArgs(target={"name": "t"}, method="ngram", draft_min_prob=0.3)
-    with pytest.raises(ValueError, match="draft_min_probs"):
-        BenchConfig(vllm={"draft_min_probs": [0.0]})
-
-
 def test_a_built_in_method_that_wins_is_said_plainly_and_deployed():
     r = _report({"vllm_ar": 10, "vllm_suffix": 16, "vllm_draftlab": 12}, {})
     v = verdict(r, BenchConfig(vllm={"suffix_cached_requests": 0}))

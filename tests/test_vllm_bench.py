@@ -47,11 +47,8 @@ MEASURED = [
     VLLM[3],
     "vllm_draftlab@k1",
     "vllm_draftlab@k2",
-    "vllm_draftlab@p1",
     VLLM[4],
-    "vllm_draftlab_ngram@p1",
-]  # methods: suffix capped at 8 on its engine (the default), k1, k2 on the drafter's engine,
-# and the drafter's engines verifying only drafts of probability >= 1 (none of the drafter's)
+]  # methods: suffix capped at 8 on its engine (the default), k1, k2 on the drafter's engine
 NEW = 32
 K = 3
 
@@ -98,7 +95,7 @@ def report(target_dir, in_process, tmp_path_factory) -> dict:
         vllm={
             "memory_fraction": IN_PROCESS_MEMORY,
             "draft_lengths": [1, 2],
-            "draft_min_probs": [1],
+            "env": {"DRAFTLAB_PROBE": "bench"},
         },
         concurrency=[1, 3],
     )
@@ -108,15 +105,21 @@ def report(target_dir, in_process, tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_vllm_greedy_equals_our_ar_in_float32(target, target_dir, in_process):
+def test_vllm_greedy_equals_our_ar_in_float32(target, target_dir, in_process, monkeypatch):
     from draftlab.vllm_offline import VllmEngine
 
     prompts = [target.encode_prompt(t) for t in TEXTS]
+    monkeypatch.setenv("DRAFTLAB_PROBE", "caller")
     with VllmEngine(
-        target_dir, dtype=target.dtype, max_model_len=512, memory_fraction=IN_PROCESS_MEMORY
+        target_dir,
+        dtype=target.dtype,
+        max_model_len=512,
+        memory_fraction=IN_PROCESS_MEMORY,
+        env={"DRAFTLAB_PROBE": "engine"},  # `env` wins over the caller's while the engine lives
     ) as llm:
-        assert llm.startup_s > 0
+        assert llm.startup_s > 0 and os.environ["DRAFTLAB_PROBE"] == "engine"
         runs = [llm.generate(ids, NEW) for ids in prompts]
+    assert os.environ["DRAFTLAB_PROBE"] == "caller"
     for ids, run in zip(prompts, runs, strict=True):
         ours = autoregressive_generate(target, ids, SamplingParams(max_new_tokens=NEW)).tokens
         assert run.tokens == ours
@@ -143,13 +146,13 @@ def test_bench_report_has_the_vllm_fields(report):
     assert report["vllm_greedy_identical"] is True and report["vllm_greedy_mismatches"] == []
     v = report["vllm"]
     assert set(v["startup_s"]) == set(vllm) and v["dtype"] == "float32"
+    assert v["env"] == {"DRAFTLAB_PROBE": "bench"} and "DRAFTLAB_PROBE" not in os.environ
     assert v["speculative_config"]["vllm_ngram"]["num_speculative_tokens"] == K
     assert v["speculative_config"]["vllm_draftlab"] | {"model": None} == {
         "method": "eagle3",
         "model": None,
         "num_speculative_tokens": K,
         "parallel_drafting": True,
-        "draft_sample_method": "greedy",  # draft_min_probs: the probabilities of argmax drafts
     }
     # copies of ngram.tokens (they do not grow in vLLM), the drafter's K tokens where the text
     # has no match
@@ -184,7 +187,6 @@ def test_each_k_on_one_engine_load_levels_and_the_verdict(report):
         "vllm_draftlab",
         "vllm_draftlab@k1",
         "vllm_draftlab@k2",
-        "vllm_draftlab@p1",
     ]
     assert report["vllm"]["engines"]["vllm_suffix"] == ["vllm_suffix", "vllm_suffix@k8"]
     capped = m["vllm_suffix@k8"]  # suffix drafts vary in length: at most 8 verified a step
@@ -270,57 +272,6 @@ def test_lookups_merged_into_the_drafters_drafts_follow_the_batch_size_schedule(
         loaded = llm.generate_closed_loop(prompts, len(prompts), NEW)
     assert alone.spec.drafts == 0 and loaded.spec.drafts > 0
     assert alone.tokens == loaded.tokens
-
-
-@pytest.mark.timeout(180)
-def test_only_confident_drafts_are_verified(report):
-    """`<method>@p<p>`: vLLM's worker hands each draft token on with the drafter's probability
-    of it (`draftlab.serve.vllm_plugin`) and the scheduler keeps the chain's prefix of at least
-    p. The drafter's engines run with `min_prob` 0, which keeps every drafter token (the
-    methods themselves, `test_lookups_merged_into_the_drafters_drafts`); at p = 1 the random
-    drafter's tokens all go, and copies from the text stay. Greedy output never changes
-    (`vllm_greedy_identical`, every method)."""
-    m, lookups = report["methods"], report["vllm"]["lookups"]
-    assert lookups["vllm_draftlab"]["draftlab_lookup"]["min_prob"] == 0.0
-    assert report["vllm"]["draft_min_probs"] == [1.0]
-    assert m["vllm_draftlab"]["drafts"] > 0 and m["vllm_draftlab@p1"]["drafts"] == 0
-    copies = m["vllm_draftlab_ngram@p1"]  # the random tiny model repeats itself: matches
-    assert 0 < copies["drafts"] < m["vllm_draftlab_ngram"]["drafts"]
-    assert report["vllm_greedy_identical"] is True
-
-
-@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True, [0.3]])
-def test_a_bad_min_prob_is_a_clear_error(bad):
-    from draftlab.vllm_scheduler import REQUEST_MIN_PROB, engine_kwargs, request_min_prob
-
-    with pytest.raises(ValueError, match=REQUEST_MIN_PROB):
-        request_min_prob({REQUEST_MIN_PROB: bad})
-    with pytest.raises(ValueError, match="min_prob"):
-        engine_kwargs(None, {"method": "eagle3", "model": "m"}, 2, min_prob=bad)
-
-
-def test_min_prob_is_for_a_trained_drafter_only():
-    from draftlab.vllm_scheduler import builtin_config, engine_kwargs
-
-    with pytest.raises(ValueError, match="'ngram' drafting"):
-        engine_kwargs(None, builtin_config("ngram", 4), 4, min_prob=0.3)
-
-
-def test_drafts_carry_their_probabilities_from_worker_to_scheduler():
-    import torch
-
-    from draftlab.vllm_scheduler import confident_prefix, decode_drafts, encode_drafts
-
-    ids = torch.tensor([0, 49151, 7, 300])
-    probs = torch.tensor([0.0, 1.0, 0.5, 0.9996])
-    tokens, back = decode_drafts(encode_drafts(ids, probs).tolist())
-    assert tokens == ids.tolist() and back == [0.0, 1.0, 0.5, 0.999]
-    assert confident_prefix([1, 2, 3], [0.9, 0.5, 0.9], 0.41) == [1, 2]  # 0.9, 0.45, then 0.405
-    assert confident_prefix([1, 2, 3], [0.9, 0.5, 0.9], 0.46) == [1]
-    assert confident_prefix([1, 2], [0.2, 1.0], 0.3) == []
-    assert confident_prefix([1, 2], [0.0, 0.0], 0.0) == [1, 2]
-    with pytest.raises(RuntimeError, match="plugin"):
-        decode_drafts([5, 6])
 
 
 @pytest.mark.timeout(180)

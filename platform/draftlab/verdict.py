@@ -73,9 +73,7 @@ def _deploy(method: str, report: dict, cfg) -> tuple[dict, int]:
     specs = report["vllm"]["speculative_config"]
     if method == "vllm_ar":
         return {"speculation": "off"}, 0
-    engine, _, variant = method.partition("@")
-    k = variant.removeprefix("k") if variant.startswith("k") else ""
-    gate = {"draft_min_prob": float(variant.removeprefix("p"))} if variant.startswith("p") else {}
+    engine, _, k = method.partition("@k")
     if engine in ("vllm_ngram", "vllm_suffix"):  # @k: its drafts were capped at k per request
         k = int(k) if k else specs[engine].get("num_speculative_tokens")
         return {
@@ -101,8 +99,7 @@ def _deploy(method: str, report: dict, cfg) -> tuple[dict, int]:
             "method": "drafter",
             "num_speculative_tokens": k,
             "prompt_lookup": "on" if lookups.get("spec") else "off",
-        }
-        | gate,  # @p: only drafts of at least this probability were verified
+        },
         specs[engine]["num_speculative_tokens"],
     )
 

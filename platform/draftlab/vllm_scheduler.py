@@ -33,15 +33,6 @@ chain is verified: room for long copies makes every step dearer, and on CPU the 
 copies did not make up for it (docs/benchmarks.md#what-the-defaults-rest-on,
 docs/guides/vllm.md).
 
-**Confident drafts only** (`min_prob`). Where a verified draft token costs much of a target
-step (CPUs: a second query token costs ~23% of a step), a drafter token that is rarely
-accepted loses more than it gains. With `min_prob` set, vLLM's EAGLE proposer hands each
-greedy draft token on with the drafter's probability of it (`draftlab.serve.vllm_plugin`,
-encoded in the id: `encode_drafts`), and this scheduler keeps the longest prefix of each
-drafter chain whose product of probabilities is at least the request's `draftlab_min_prob`
-(`REQUEST_MIN_PROB`), else the engine's `min_prob`; 0 keeps every token. A request left with
-no draft decodes that step as target-only decoding does. Copies from the text are not gated.
-
 Which tokens are drafted never changes what is generated: vLLM verifies every draft token
 against the target (greedy: exact match; sampling: its rejection sampler, lossless for a
 deterministic draft as long as the drafter's draft probabilities are not used, which
@@ -59,41 +50,21 @@ if (
 ):  # torch: imported by vLLM's engine core when it builds the scheduler, not by clients
     from draftlab.decoding.ngram import NgramIndex
 
-# additional_config: {"spec": NgramSpec fields | None, "draft_tokens": n, "schedule": ranges,
-#                     "min_prob": p | None}
+# additional_config: {"spec": NgramSpec fields | None, "draft_tokens": n, "schedule": ranges}
 LOOKUP_KEY = "draftlab_lookup"
-# SamplingParams.extra_args / vllm_xargs keys: this request's most draft tokens a step, and the
-# least probability (under the drafter) of the drafter's chain of drafts that is verified
+# SamplingParams.extra_args / vllm_xargs key: this request's most draft tokens a step
 REQUEST_K = "draftlab_k"
-REQUEST_MIN_PROB = "draftlab_min_prob"
-# A draft token id with its probability, worker to scheduler: id + STRIDE * (1 + per-mille)
-PROB_STRIDE = 1 << 20  # above any vocabulary size
-PROB_LEVELS = 1000
 SCHEDULER = "draftlab.vllm_scheduler.DraftlabScheduler"
 
 
-def engine_kwargs(
-    spec: NgramSpec | None,
-    speculative_config: dict,
-    draft_tokens: int,
-    min_prob: float | None = None,
-) -> dict:
+def engine_kwargs(spec: NgramSpec | None, speculative_config: dict, draft_tokens: int) -> dict:
     """`vllm.LLM` / `AsyncEngineArgs` keyword arguments of `speculative_config` scheduled by
     `DraftlabScheduler` (per-request draft lengths), with prompt lookups of `spec.tokens`
     tokens (no growth: module doc) merged into the first `draft_tokens` of each draft when
     `spec` is given. vLLM drafts `num_speculative_tokens` a step, so that becomes the longer
-    of the two chains. `min_prob` (a drafter's engine only): verify only the drafter's
-    confident drafts (module doc), at least this probability unless a request sets its own."""
-    extra = {"spec": None, "draft_tokens": draft_tokens, "min_prob": min_prob}
+    of the two chains."""
+    extra = {"spec": None, "draft_tokens": draft_tokens}
     spec_cfg = dict(speculative_config)
-    if min_prob is not None:
-        check_min_prob(min_prob, "min_prob")
-        if spec_cfg.get("method") != "eagle3":
-            raise ValueError(
-                f"min_prob gates a trained drafter's drafts (method eagle3), not "
-                f"{spec_cfg.get('method')!r} drafting"
-            )
-        spec_cfg["draft_sample_method"] = "greedy"  # the probabilities of its argmax drafts
     if spec is not None:
         extra["spec"] = spec.model_copy(update={"grow_to": spec.tokens}).model_dump()
         spec_cfg |= {
@@ -178,49 +149,6 @@ def request_k(extra_args: dict | None) -> int | None:
     return k
 
 
-def check_min_prob(value, name: str = REQUEST_MIN_PROB) -> float:
-    """`value` as a probability in [0, 1], or a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def request_min_prob(extra_args: dict | None) -> float | None:
-    """A request's own `REQUEST_MIN_PROB`, None when it sets none."""
-    if not extra_args or extra_args.get(REQUEST_MIN_PROB) is None:
-        return None
-    return check_min_prob(extra_args[REQUEST_MIN_PROB])
-
-
-def encode_drafts(ids, probs):
-    """(R,) int64 draft ids and (R,) their probabilities -> (R,) int64 ids that carry both
-    (`decode_drafts`); torch tensors, in vLLM's worker."""
-    level = (probs * PROB_LEVELS).long().clamp(0, PROB_LEVELS)
-    return ids + PROB_STRIDE * (1 + level)
-
-
-def decode_drafts(draft: list[int]) -> tuple[list[int], list[float]]:
-    """`encode_drafts`'s ids -> (token ids, probabilities)."""
-    if any(t < PROB_STRIDE for t in draft):
-        raise RuntimeError(
-            "drafts arrived without their probabilities: draftlab's vLLM plugin "
-            "(entry point `draftlab_confidence`) did not load in vLLM's worker; reinstall "
-            "draftlab into vLLM's environment (`pip install -e .`)"
-        )
-    return [t % PROB_STRIDE for t in draft], [(t // PROB_STRIDE - 1) / PROB_LEVELS for t in draft]
-
-
-def confident_prefix(ids: list[int], probs: list[float], min_prob: float) -> list[int]:
-    """The longest prefix of a draft chain whose product of probabilities is >= `min_prob`."""
-    chain, keep = 1.0, 0
-    for p in probs:
-        chain *= p
-        if chain < min_prob:
-            break
-        keep += 1
-    return ids[:keep]
-
-
 def merge(index: NgramIndex, draft: list[int], draft_tokens: int) -> list[int]:
     """The copy from the text where there is one, else the drafter's first tokens."""
     return index.propose() or draft[:draft_tokens]
@@ -251,7 +179,6 @@ def _scheduler() -> type:
             extra = (vllm_config.additional_config or {}).get(LOOKUP_KEY) or {}
             self._spec = NgramSpec.model_validate(extra["spec"]) if extra.get("spec") else None
             self._draft_tokens = int(extra.get("draft_tokens") or self.num_spec_tokens)
-            self._min_prob = extra.get("min_prob")  # None: drafts arrive as plain ids
             self._lookups: dict[str, NgramIndex] = {}  # request id -> its text's n-gram index
             # vLLM 0.29's parallel drafting drafts all its K slots or none: any other step K
             # fails in its proposer ("shape '[-1, 2]' is invalid for input of size 3")
@@ -298,9 +225,6 @@ def _scheduler() -> type:
                 draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
             ):
                 request = self.requests.get(req_id)
-                draft = list(draft)
-                if self._min_prob is not None:
-                    draft, probs = decode_drafts(draft)
                 if request is None or request.is_finished() or request.is_prefill_chunk:
                     edited.append(draft)
                     continue
@@ -308,11 +232,7 @@ def _scheduler() -> type:
                 if cap == 0:  # nothing verified: no lookup (its index catches up when it drafts)
                     edited.append([])
                     continue
-                if self._min_prob is not None:
-                    own = request_min_prob(
-                        request.sampling_params.extra_args if request.sampling_params else None
-                    )
-                    draft = confident_prefix(draft, probs, self._min_prob if own is None else own)
+                draft = list(draft)
                 if self._spec is not None:
                     tokens = request.all_token_ids
                     index = self._lookups.get(req_id)

@@ -43,7 +43,6 @@ def base_url(tmp_path_factory):
         drafter="init:p-eagle",
         num_speculative_tokens=K,
         prompt_lookup="on",
-        draft_min_prob=0.0,  # drafts carry their probabilities (the plugin in vLLM's worker)
         schedule=SCHEDULE,
         speculate_up_to=2,
         export_dir=str(tmp_path_factory.mktemp("vllm") / "drafter"),
@@ -88,7 +87,7 @@ def test_engine_drafts_with_the_parallel_drafter_and_prompt_lookups(base_url):
     assert (
         spec["num_speculative_tokens"] == NgramSpec().tokens > K
     )  # room for a copy, which does not grow in vLLM
-    assert lookups["spec"]["grow_to"] == NgramSpec().tokens and lookups["min_prob"] == 0.0
+    assert lookups["spec"]["grow_to"] == NgramSpec().tokens
     assert [
         tuple(r) for r in spec["num_speculative_tokens_per_batch_size"]
     ] == SCHEDULE  # accepted by vLLM
@@ -124,14 +123,9 @@ def test_the_router_sends_load_and_uncapped_requests_to_the_target_only_engine(c
     assert streamed.headers[ROUTE_HEADER] == "speculative"
     assert "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices) == text
     assert engine_of(client, messages=messages)[0] == "speculative"  # the stream left the count
-    gated = engine_of(
-        client, messages=messages, extra_body={"vllm_xargs": {"draftlab_min_prob": 1}}
-    )
-    assert gated == ("speculative", text)  # no drafter token verified: the same answer
-    for bad in ({"draftlab_k": "x"}, {"draftlab_min_prob": 2}):
-        with pytest.raises(openai.BadRequestError) as e:
-            engine_of(client, messages=messages, extra_body={"vllm_xargs": bad})
-        assert e.value.body["param"] == "vllm_xargs" and next(iter(bad)) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        engine_of(client, messages=messages, extra_body={"vllm_xargs": {"draftlab_k": "x"}})
+    assert e.value.body["param"] == "vllm_xargs" and "draftlab_k" in e.value.body["message"]
 
 
 def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_server(base_url):

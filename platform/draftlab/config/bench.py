@@ -45,26 +45,12 @@ class VllmBenchSpec(StrictModel):
     """`vllm_draftlab` is also measured drafting each of these k (< its draft length), one
     `vllm_draftlab@k<n>` method each, on the same engine (per-request draft lengths,
     `draftlab.vllm_scheduler`; vLLM's parallel drafting still drafts every slot a step)."""
-    draft_min_probs: list[float] = Field(default_factory=list)
-    """`vllm_draftlab` and `vllm_draftlab_ngram` are also measured verifying only the drafter's
-    confident drafts, for each of these probabilities p: one `<method>@p<p>` method each, on the
-    same engine (the longest prefix of the drafter's chain whose probability under the drafter
-    is >= p; copies from the text are not gated; `draftlab.vllm_scheduler`). Where a verified
-    draft token costs much of a target step (CPUs), rarely accepted drafts cost more than they
-    gain; the verdict deploys the p that won."""
     suffix_draft_lengths: list[int] = Field(default_factory=lambda: [8])
     """`vllm_suffix` is also measured with each request's drafts capped at each of these k
     (< its depth), one `vllm_suffix@k<n>` method each, on the same engine (per-request draft
     lengths, `draftlab.vllm_scheduler`). Where a verified draft token costs much of a target
     step (CPUs), shorter suffix drafts can pay more than its long ones; the verdict deploys
     the k that won."""
-
-    @field_validator("draft_min_probs")
-    @classmethod
-    def _probabilities(cls, v: list[float]) -> list[float]:
-        if bad := [p for p in v if not 0.0 < p <= 1.0]:
-            raise ValueError(f"each must be in (0, 1] (0 is the method itself), got {bad}")
-        return v
 
     @model_validator(mode="after")
     def _ngram_range(self) -> VllmBenchSpec:

@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from draftlab.config import (
     ConfigError,
     DistillConfig,
+    VllmBenchSpec,
     apply_dotted,
     format_validation_error,
-    VllmBenchSpec,
     load_yaml,
     read_mapping,
 )

@@ -117,11 +117,6 @@ class VllmServeArgs(ServingCommon):
     `tree.json`), with that tree's settings; `on` = always (the tree's settings, else the
     defaults); `off` = the drafter alone. The copies are the lookups' `tokens` long and do not
     grow in vLLM, which then drafts that many tokens a step (or the drafter's, if more)."""
-    draft_min_prob: float | None = Field(None, ge=0.0, le=1.0)
-    """`drafter`: verify only the drafter's confident drafts, the longest prefix of its chain
-    whose probability under the drafter is at least this (`draftlab.vllm_scheduler`); a
-    request's `vllm_xargs: {"draftlab_min_prob": p}` sets its own. Copies from the text are not
-    gated. None = every drafted token is verified (and requests cannot set one)."""
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     """Draft tokens per step; None = the depth of the drafter's `tree.json` (the tree our engine
     serves it with, picked from measured acceptance and costs), else its `k` (`ngram`: 4,
@@ -189,11 +184,6 @@ class VllmServeArgs(ServingCommon):
             raise ValueError(
                 "speculate_up_to routes between a speculative and a target-only engine: it "
                 "needs speculation: on"
-            )
-        if self.draft_min_prob is not None and self.method != "drafter":
-            raise ValueError(
-                f"draft_min_prob gates a trained drafter's drafts (method: drafter), not "
-                f"{self.method!r} drafting"
             )
         if self.accelerator == "cpu" and (self.accelerator_type or self.tensor_parallel_size > 1):
             raise ValueError("accelerator_type and tensor_parallel_size > 1 need accelerator: gpu")
@@ -304,7 +294,7 @@ def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
         )
     pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
     model, k, lookups = vllm_drafter(pair.drafter, pair.target, args)
-    engine = engine_kwargs(lookups, vllm_speculative_config(model, k), k, args.draft_min_prob)
+    engine = engine_kwargs(lookups, vllm_speculative_config(model, k), k)
     return vllm_target_dir(pair.target), with_schedule(engine, args.schedule), pair.source
 
 
