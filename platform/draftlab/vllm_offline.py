@@ -226,13 +226,13 @@ class VllmEngine:
                 else {}
             )
         )
-        self.env = dict(CPU_ENV_DEFAULTS)
+        # defaults (the caller's environment wins over them), then what is set here (it wins)
+        self.env_defaults = dict(CPU_ENV_DEFAULTS)
         if reserved_cpus is not None:
-            self.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+            self.env_defaults["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+        self.env = dict(env or {})
         if in_process is not None:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        self.env |= env or {}
-        self._given = {*(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING"}  # these win (init doc)
         self.memory_setting = memory_setting
         self.llm = None
         self.startup_s = 0.0
@@ -241,11 +241,9 @@ class VllmEngine:
         require_vllm()
         from vllm import LLM  # noqa: PLC0415 -- vLLM, optional
 
-        # Defaults only: what the caller's environment sets wins (`env` and in_process win).
-        self._saved_env = {k: os.environ.get(k) for k in self.env}
-        for k, v in self.env.items():
-            if k in self._given or k not in os.environ:
-                os.environ[k] = v
+        wanted = {k: v for k, v in self.env_defaults.items() if k not in os.environ} | self.env
+        self._saved_env = {k: os.environ.get(k) for k in wanted}
+        os.environ.update(wanted)
         # In-process, vLLM sets this process's torch threads to 1 and replaces
         # `torch.set_num_threads` with a no-op; both are put back on close.
         self._threads, self._set_threads = torch.get_num_threads(), torch.set_num_threads
