@@ -424,7 +424,7 @@ def test_node_lost_during_an_mlflow_outage_resumes_on_a_new_node_and_loses_no_me
             log_every=1,
         ),
         tracking=TrackingSpec(
-            tracking_uri=mlflow_server.url, experiment="draftlab-test-outage", max_outage_s=120
+            tracking_uri=mlflow_server.url, experiment="draftlab-test-outage", max_outage_s=300
         ),
     )
     run_dir = Path(cfg.storage_path) / cfg.name
