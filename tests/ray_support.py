@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -47,3 +48,15 @@ def local_ray(num_cpus: int = 2, object_store_mb: int = 150) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def stop_serve() -> None:
+    """`serve.shutdown()`, then a pause before the caller's `ray.shutdown()`. Serve kills its
+    controller on the way out; a notice about it that reaches this process after Ray's core
+    worker is gone makes Ray end the process ("The core worker has already been shutdown ...
+    The process will exit", 60 ms after `ray.shutdown()` in a CI run: the pytest worker died
+    and took its remaining modules with it)."""
+    from ray import serve  # noqa: PLC0415 -- only Serve modules need it
+
+    serve.shutdown()
+    time.sleep(1.0)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from ray import serve
 
 from mlflow_server import free_port
-from ray_support import local_ray
+from ray_support import local_ray, stop_serve
 
 
 @contextmanager
@@ -23,7 +23,7 @@ def local_serve() -> Iterator[str]:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             yield f"http://127.0.0.1:{port}"
         finally:
-            serve.shutdown()
+            stop_serve()
 
 
 def report(capsys, tag: str, line: str) -> None:

@@ -17,7 +17,7 @@ from draftlab.cli import main
 from draftlab.config import TargetSpec
 from draftlab.pipeline.runner import float32_note, format_summary, run_pipeline
 from mlflow_server import free_port
-from ray_support import no_state_api
+from ray_support import no_state_api, stop_serve
 
 # the first run, in the fixture, takes ~200 s alone on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -32,9 +32,7 @@ def ray_local():
             address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024**2
         )
     yield
-    from ray import serve
-
-    serve.shutdown()
+    stop_serve()
     ray.shutdown()
 
 
