@@ -337,6 +337,52 @@ def test_a_longer_prompt_list_resumes_the_stream_where_a_shorter_one_stopped(tin
         )
 
 
+def test_a_collection_saves_its_list_so_far_and_resumes_from_any_save(tiny, monkeypatch):
+    """Every save is a valid start: one taken inside a magpie round resumes to the list a
+    collection from scratch gives."""
+    cfg = PromptSourceConfig(
+        kind="magpie", num_prompts=9, min_chars=4, max_prompt_tokens=16, seed=5
+    )
+    kw = dict(progress=False, magpie_batch_size=3, magpie_max_rounds=80)
+    fresh = collect_prompts(cfg, tiny, **kw)
+    monkeypatch.setattr(sources_module, "SAVE_EVERY_S", 0.0)  # a save after every prompt
+    saves: list[cache.PromptList] = []
+    assert collect_prompts(cfg, tiny, **kw, save=saves.append) == fresh
+    assert [got.prompts for got in saves] == [fresh.prompts[:n] for n in range(1, 10)]
+    assert all(a.consumed < b.consumed for a, b in zip(saves, saves[1:], strict=False))
+    for got in (saves[1], saves[4]):  # 2 and 5 prompts: 5 end inside a round of 3
+        assert collect_prompts(cfg, tiny, **kw, start=got) == fresh
+
+
+def test_a_run_killed_while_collecting_prompts_keeps_them_for_the_next(
+    data_cfg, tiny, tmp_path, monkeypatch, caplog
+):
+    """A long magpie list takes ~40 minutes on 2 cores: a run killed meanwhile leaves the
+    list so far in the cache, and the next run goes on from it."""
+    data = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
+    monkeypatch.setattr(sources_module, "SAVE_EVERY_S", 0.0)
+    real = selfdistill.save_prompts
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        if len(cache.stored_prompts(data, tiny.fingerprint).prompts) == 3:
+            raise Killed
+
+    monkeypatch.setattr(selfdistill, "save_prompts", save_then_die)
+    with pytest.raises(Killed):
+        selfdistill._cached_prompts(data, tiny, TINY, progress=False)
+    assert cache.stored_prompts(data, tiny.fingerprint) == cache.PromptList(PROMPTS[:3], 3)
+
+    monkeypatch.setattr(selfdistill, "save_prompts", real)
+    with caplog.at_level(logging.INFO, logger="draftlab.data.sources"):
+        prompts, _ = selfdistill._cached_prompts(data, tiny, TINY, progress=False)
+    assert prompts == PROMPTS and "(3 of them resumed from a shorter list)" in caplog.text
+    assert cache.stored_prompts(data, tiny.fingerprint) == cache.PromptList(PROMPTS, len(PROMPTS))
+
+
 def test_magpie_returns_what_it_has_when_rounds_run_out(tiny, caplog):
     cfg = PromptSourceConfig(kind="magpie", num_prompts=50, min_chars=4, max_prompt_tokens=16)
     with caplog.at_level(logging.WARNING, logger="draftlab.data.sources"):

@@ -16,6 +16,7 @@ the cache (keys, layout, its lock, growth from a smaller data set) is `draftlab.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -110,6 +111,7 @@ def _cached_prompts(
                 magpie_batch_size=data.batch_size,
                 writer=writer if source.kind == "magpie" else None,
                 start=cached if cached is not None and cached.consumed is not None else None,
+                save=functools.partial(save_prompts, data, target.fingerprint, source=source),
             )
             save_prompts(data, target.fingerprint, got, source)
             lists[i] = got.prompts
