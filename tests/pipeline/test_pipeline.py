@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 from mlflow import MlflowClient
 
@@ -17,7 +16,7 @@ from draftlab.cli import main
 from draftlab.config import TargetSpec
 from draftlab.pipeline.runner import float32_note, format_summary, run_pipeline
 from mlflow_server import free_port
-from ray_support import no_state_api, stop_serve
+from ray_support import local_ray, stop_serve
 
 # the first run, in the fixture, takes ~200 s alone on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,13 +26,9 @@ STAGES = ["data", "distill", "sweep", "promote", "compare", "serve", "smoke", "r
 
 @pytest.fixture(scope="module")
 def ray_local():
-    with no_state_api():
-        ray.init(
-            address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024**2
-        )
-    yield
-    stop_serve()
-    ray.shutdown()
+    with local_ray(num_cpus=3, object_store_mb=200):
+        yield
+        stop_serve()
 
 
 def pipeline_file(tmp: Path, uri: str, port: int) -> Path:
