@@ -111,22 +111,22 @@ def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _csv_of(convert, what: str):
-    """An argparse type: a comma list (`_csv`) of `convert`ed items."""
-
-    def parse(text: str) -> list:
-        try:
-            return [convert(item) for item in _csv(text)]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list of {what}, got {text!r}"
-            ) from None
-
-    return parse
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(item) for item in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of integers, got {text!r}"
+        ) from None
 
 
-_ints = _csv_of(int, "integers")
-_floats = _csv_of(float, "numbers")
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(item) for item in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of numbers, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
