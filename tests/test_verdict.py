@@ -13,14 +13,8 @@ from draftlab.data.prompts import load_prompts
 from draftlab.serve.vllm_app import VllmServeArgs
 from draftlab.verdict import add_load_speedups, schedule, verdict
 from draftlab.vllm_scheduler import (
-    GATE_MAX_PAUSE,
-    GATE_PAUSE,
-    GATE_WINDOW,
-    REQUEST_GATE,
     REQUEST_K,
-    Gate,
     builtin_config,
-    check_gate,
     engine_kwargs,
     request_k,
     with_schedule,
@@ -116,25 +110,6 @@ def test_a_drafter_measured_at_a_smaller_k_is_deployed_with_that_k():
     assert v["deploy"]["num_speculative_tokens"] == 2 and v["deploy"]["schedule"] == [[1, 1024, 2]]
 
 
-def test_a_gated_drafter_that_wins_is_deployed_with_its_gate():
-    r = _report(
-        {"vllm_ar": 10, "vllm_draftlab": 12, "vllm_draftlab_ngram@gate0.3": 14},
-        {"vllm_ar": {1: 10, 4: 30}, "vllm_draftlab_ngram@gate0.3": {1: 14, 4: 29}},
-        lookups=True,
-    )
-    v = verdict(r, BenchConfig())
-    assert v["served"] == "vllm_draftlab_ngram@gate0.3" and "trained drafter" in v["reason"]
-    assert v["deploy"] == {
-        "speculation": "on",
-        "method": "drafter",
-        "num_speculative_tokens": 3,
-        "prompt_lookup": "on",
-        "gate": 0.3,
-        "schedule": [[1, 1, 5], [2, 1024, 0]],
-    }
-    VllmServeArgs.model_validate({"drafter": "init:p-eagle"} | v["deploy"])  # serves as measured
-
-
 def test_lookups_engine_schedules_the_tokens_it_drafts_a_step():
     """With lookups merged the engine drafts max(k, copy length) a step; vLLM 0.29's parallel
     drafting takes that many or none, so the schedule says that number (not k)."""
@@ -205,55 +180,6 @@ def test_engine_settings_for_per_request_draft_lengths():
     assert request_k(None) is None and request_k({}) is None and request_k({REQUEST_K: "2"}) == 2
     with pytest.raises(ValueError, match="draftlab_k must be >= 0"):
         request_k({REQUEST_K: -1})
-
-
-def _drafted(gate: Gate, accepted: list[int], output: int) -> int:
-    """Feed `accepted` one verified step at a time while the gate is open (each step's output
-    grows by its accepted drafts + 1, a closed step's by 1); returns the output length."""
-    for a in accepted:
-        while not gate.is_open(output):
-            output += 1
-        gate.observe(a, output)
-        output += a + 1
-    return output
-
-
-def test_a_gate_closes_on_a_window_below_its_least_and_backs_off_on_each_failed_retry():
-    gate = Gate(0.5)
-    _drafted(gate, [1, 0] * (GATE_WINDOW // 2), 10)  # mean 0.5: open
-    assert gate.is_open(1000) and gate.closed == 0
-    # one more 0 drops the window's mean below 0.5: closed for GATE_PAUSE output tokens
-    out = _drafted(gate, [0], 100)
-    assert gate.closed == 1 and not gate.is_open(out) and gate.until == 100 + GATE_PAUSE
-    assert gate.is_open(100 + GATE_PAUSE) and len(gate.accepted) == 0  # a fresh window
-    # each retry that fails doubles the pause, up to GATE_MAX_PAUSE
-    out, pauses = 100 + GATE_PAUSE, []
-    while len(pauses) < 6:
-        out = _drafted(gate, [0] * GATE_WINDOW, out)
-        pauses.append(gate.until - (out - 1))
-    assert pauses[0] == 2 * GATE_PAUSE and pauses[-1] == GATE_MAX_PAUSE
-    assert pauses == sorted(pauses)
-    # a retry that passes keeps it open and resets the pause
-    out = _drafted(gate, [2] * GATE_WINDOW, gate.until)
-    assert gate.is_open(out) and gate.pause == GATE_PAUSE
-
-
-def test_gate_values_are_checked():
-    assert check_gate(None) is None and check_gate(0) == 0.0 and check_gate(0.25) == 0.25
-    for bad in (-0.1, True, "0.3", [1]):
-        with pytest.raises(ValueError, match="draftlab_gate must be a number >= 0"):
-            check_gate(bad)
-    assert (
-        engine_kwargs(None, builtin_config("ngram", 4), 4, 0.4)["additional_config"][
-            "draftlab_lookup"
-        ]["gate"]
-        == 0.4
-    )
-    with pytest.raises(ValueError, match="gate must be a number"):
-        engine_kwargs(None, builtin_config("ngram", 4), 4, -1)
-    with pytest.raises(ValueError, match=r"gates \[-0.5\]: each must be >= 0"):
-        BenchConfig(vllm={"gates": [-0.5]})
-    assert REQUEST_GATE == "draftlab_gate"
 
 
 def test_mixed_prompts_take_one_of_each_kind_in_turn():

@@ -48,7 +48,7 @@ from draftlab.models.target import Target, load_target
 from draftlab.storage import local_copy
 from draftlab.verdict import SUFFIX_DEPTH, add_load_speedups, verdict
 from draftlab.vllm_offline import SpecCounters, VllmEngine, require_vllm
-from draftlab.vllm_scheduler import REQUEST_GATE, REQUEST_K, builtin_config, engine_kwargs
+from draftlab.vllm_scheduler import REQUEST_K, builtin_config, engine_kwargs
 
 VLLM_METHODS = (
     "vllm_ar",
@@ -542,21 +542,15 @@ def _vllm_plan(
                 f"vllm.draft_lengths {bad}: each must be >= 1 and < the drafter's draft length {k}"
             )
         spec = vllm_speculative_config(export_vllm(saved, work / "vllm", target=target), k)
-
-        def gated(m: str) -> dict:  # each gate on the same engine (`VllmBenchSpec.gates`)
-            return {f"{m}@gate{x:g}": {REQUEST_GATE: x} for x in v.gates}
-
         if "vllm_draftlab" in asked:
-            methods = (
-                {"vllm_draftlab": None}
-                | {f"vllm_draftlab@k{n}": {REQUEST_K: n} for n in v.draft_lengths}
-                | gated("vllm_draftlab")
-            )
+            methods = {"vllm_draftlab": None} | {
+                f"vllm_draftlab@k{n}": {REQUEST_K: n} for n in v.draft_lengths
+            }
             plan["vllm_draftlab"] = {"kwargs": engine_kwargs(None, spec, k), "methods": methods}
         if "vllm_draftlab_ngram" in asked:  # the drafter's k tokens, or a copy from the text
             plan["vllm_draftlab_ngram"] = {
                 "kwargs": engine_kwargs(cfg.ngram, spec, k),
-                "methods": {"vllm_draftlab_ngram": None} | gated("vllm_draftlab_ngram"),
+                "methods": {"vllm_draftlab_ngram": None},
             }
     return plan
 

@@ -164,15 +164,12 @@ class VllmInfo(StrictModel):
     """`VllmBenchSpec.suffix_cached_requests` as benched."""
     draft_lengths: list[int]
     """`VllmBenchSpec.draft_lengths` as benched."""
-    gates: list[float]
-    """`VllmBenchSpec.gates` as benched."""
     suffix_draft_lengths: list[int]
     """`VllmBenchSpec.suffix_draft_lengths` as benched."""
     startup_s: dict[str, float]
     """Seconds each engine took to start."""
     engines: dict[str, list[str]]
-    """The methods each engine measured (`vllm_draftlab` and `vllm_suffix` also `<engine>@k<n>`,
-    the drafter's engines `<engine>@gate<x>`)."""
+    """The methods each engine measured (`vllm_draftlab` and `vllm_suffix` also `<engine>@k<n>`)."""
     speculative_config: dict[str, dict[str, Any] | None]
     """Each engine's vLLM `speculative_config` (None: target only)."""
     lookups: dict[str, dict[str, Any]]

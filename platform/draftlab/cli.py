@@ -302,7 +302,6 @@ def _bench(a: argparse.Namespace) -> None:
             memory_fraction=a.vllm_memory_fraction,
             enforce_eager=not a.vllm_compile,
             draft_lengths=a.vllm_draft_lengths,
-            gates=a.vllm_gates,
             suffix_draft_lengths=a.vllm_suffix_draft_lengths,
         ),
         concurrency=a.concurrency,

@@ -120,15 +120,6 @@ def _ints(text: str) -> list[int]:
         ) from None
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(item) for item in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of numbers, got {text!r}"
-        ) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftlab",
@@ -266,14 +257,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="vllm_draftlab: also measure these k "
         "(< its draft length), one vllm_draftlab@k<n> method each, on the same engine",
-    )
-    b.add_argument(
-        "--vllm-gates",
-        type=_floats,
-        default="",
-        help="vllm_draftlab, vllm_draftlab_ngram: also measure these per-request drafting gates "
-        "(least mean accepted draft tokens a step, e.g. 0.3), one <engine>@gate<x> method each, "
-        "on the same engine",
     )
     b.add_argument(
         "--vllm-suffix-draft-lengths",

@@ -70,16 +70,9 @@ def schedule(
 def _deploy(method: str, report: dict, cfg) -> tuple[dict, int]:
     """The `VllmServeArgs` fields that serve `method` as it was measured, and the tokens its
     engine drafts a step (the schedule's non-zero k)."""
+    specs = report["vllm"]["speculative_config"]
     if method == "vllm_ar":
         return {"speculation": "off"}, 0
-    method, _, gate = method.partition("@gate")  # measured with this per-request gate
-    deploy, drafted = _deploy_engine(method, report, cfg)
-    return deploy | ({"gate": float(gate)} if gate else {}), drafted
-
-
-def _deploy_engine(method: str, report: dict, cfg) -> tuple[dict, int]:
-    """`_deploy` of a method measured without a gate."""
-    specs = report["vllm"]["speculative_config"]
     engine, _, k = method.partition("@k")
     if engine in ("vllm_ngram", "vllm_suffix"):  # @k: its drafts were capped at k per request
         k = int(k) if k else specs[engine].get("num_speculative_tokens")

@@ -33,16 +33,6 @@ chain is verified: room for long copies makes every step dearer, and on CPU the 
 copies did not make up for it (docs/benchmarks.md#what-the-defaults-rest-on,
 docs/guides/vllm.md).
 
-**Per-request gate** (`draftlab_gate: x`, or the engine's `gate` for requests that set none).
-A request whose drafts stop paying stops drafting for a while: once the mean draft tokens
-accepted over its last `GATE_WINDOW` verified steps falls below x, it decodes target-only for
-`GATE_PAUSE` output tokens, then drafts again with a fresh window; each retry that fails
-again doubles the pause (up to `GATE_MAX_PAUSE`), one that passes resets it. A translation or
-a free-form answer the drafter cannot predict then costs about what target-only decoding
-costs, while a request it predicts well keeps drafting. A paused request verifies nothing; a
-step none of whose requests drafts skips the drafter's drafting (vLLM still runs its forward
-over the step's tokens, which keeps its KV cache whole for when drafting resumes).
-
 Which tokens are drafted never changes what is generated: vLLM verifies every draft token
 against the target (greedy: exact match; sampling: its rejection sampler, lossless for a
 deterministic draft as long as the drafter's draft probabilities are not used, which
@@ -51,8 +41,6 @@ deterministic draft as long as the drafter's draft probabilities are not used, w
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from draftlab.config import NgramSpec
@@ -67,55 +55,15 @@ LOOKUP_KEY = "draftlab_lookup"
 # SamplingParams.extra_args / vllm_xargs key: this request's most draft tokens a step
 REQUEST_K = "draftlab_k"
 SCHEDULER = "draftlab.vllm_scheduler.DraftlabScheduler"
-# SamplingParams.extra_args / vllm_xargs key: the least mean accepted draft tokens a step that
-# keeps this request drafting (`Gate`)
-REQUEST_GATE = "draftlab_gate"
-GATE_WINDOW = 8  # verified steps with drafts that a gate averages over
-GATE_PAUSE = 16  # output tokens of a gate's first pause
-GATE_MAX_PAUSE = 256  # its longest pause (each failed retry doubles it)
 
 
-@dataclass
-class Gate:
-    """One request's drafting gate (module doc): open while the mean draft tokens accepted over
-    its last `GATE_WINDOW` verified steps is at least `least`; else closed until its output
-    reaches `until` tokens."""
-
-    least: float
-    accepted: deque[int] = field(default_factory=lambda: deque(maxlen=GATE_WINDOW))
-    pause: int = GATE_PAUSE
-    until: int = 0
-    closed: int = 0  # times it closed
-
-    def is_open(self, output_tokens: int) -> bool:
-        return output_tokens >= self.until
-
-    def observe(self, accepted: int, output_tokens: int) -> None:
-        """One verified step's accepted draft tokens, with the request's output so far."""
-        self.accepted.append(accepted)
-        if len(self.accepted) < GATE_WINDOW:
-            return
-        if sum(self.accepted) >= self.least * GATE_WINDOW:
-            self.pause = GATE_PAUSE
-            return
-        self.until = output_tokens + self.pause
-        self.pause = min(2 * self.pause, GATE_MAX_PAUSE)
-        self.accepted.clear()
-        self.closed += 1
-
-
-def engine_kwargs(
-    spec: NgramSpec | None,
-    speculative_config: dict,
-    draft_tokens: int,
-    gate: float | None = None,
-) -> dict:
+def engine_kwargs(spec: NgramSpec | None, speculative_config: dict, draft_tokens: int) -> dict:
     """`vllm.LLM` / `AsyncEngineArgs` keyword arguments of `speculative_config` scheduled by
     `DraftlabScheduler` (per-request draft lengths), with prompt lookups of `spec.tokens`
     tokens (no growth: module doc) merged into the first `draft_tokens` of each draft when
     `spec` is given. vLLM drafts `num_speculative_tokens` a step, so that becomes the longer
-    of the two chains. `gate`: every request's drafting gate (`Gate`) unless it sets its own."""
-    extra = {"spec": None, "draft_tokens": draft_tokens, "gate": check_gate(gate, "gate")}
+    of the two chains."""
+    extra = {"spec": None, "draft_tokens": draft_tokens}
     spec_cfg = dict(speculative_config)
     if spec is not None:
         extra["spec"] = spec.model_copy(update={"grow_to": spec.tokens}).model_dump()
@@ -201,18 +149,6 @@ def request_k(extra_args: dict | None) -> int | None:
     return k
 
 
-def check_gate(value, name: str = REQUEST_GATE) -> float | None:
-    """A gate's least mean accepted draft tokens a step (a number >= 0), None when unset."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(
-            f"{name} must be a number >= 0 (the least mean accepted draft tokens a step that "
-            f"keeps a request drafting), got {value!r}"
-        )
-    return float(value)
-
-
 def merge(index: NgramIndex, draft: list[int], draft_tokens: int) -> list[int]:
     """The copy from the text where there is one, else the drafter's first tokens."""
     return index.propose() or draft[:draft_tokens]
@@ -261,48 +197,11 @@ def _scheduler() -> type:
                 else None
             )
             self._step_k = self.num_spec_tokens  # the last step's k: its batch size's, if scheduled
-            self._gate = extra.get("gate")  # every request's gate unless it sets its own
-            self._gates: dict[str, Gate] = {}  # request id -> its gate
 
         def _cap(self, request) -> int:
-            """The most draft tokens `request` takes a step (0 while its gate is closed)."""
-            gate = self._gate_of(request)
-            if gate is not None and not gate.is_open(request.num_output_tokens):
-                return 0
+            """The most draft tokens `request` takes a step."""
             own = request_k(request.sampling_params.extra_args if request.sampling_params else None)
             return self._step_k if own is None else min(own, self._step_k)
-
-        def _gate_of(self, request) -> Gate | None:
-            gate = self._gates.get(request.request_id)
-            if gate is None:
-                extra = request.sampling_params.extra_args if request.sampling_params else None
-                least = check_gate((extra or {}).get(REQUEST_GATE))
-                least = self._gate if least is None else least
-                if least is None:
-                    return None
-                gate = self._gates[request.request_id] = Gate(least)
-            return gate
-
-        def make_spec_decoding_stats(
-            self,
-            spec_decoding_stats,
-            num_draft_tokens: int,
-            num_accepted_tokens: int,
-            num_invalid_spec_tokens,
-            request_id: str,
-        ):
-            # vLLM calls this once per request and verified step with drafts
-            request = self.requests.get(request_id)
-            gate = self._gate_of(request) if request is not None and num_draft_tokens else None
-            if gate is not None:
-                gate.observe(num_accepted_tokens, request.num_output_tokens)
-            return super().make_spec_decoding_stats(
-                spec_decoding_stats,
-                num_draft_tokens,
-                num_accepted_tokens,
-                num_invalid_spec_tokens,
-                request_id,
-            )
 
         def schedule(self, *args, **kwargs):
             out = super().schedule(*args, **kwargs)
@@ -343,9 +242,8 @@ def _scheduler() -> type:
                         index.extend(list(tokens[len(index.tokens) :]))
                     draft = merge(index, draft, self._draft_tokens)
                 edited.append(draft[:cap])
-            for held in (self._lookups, self._gates):
-                for gone in [r for r in held if r not in self.requests]:
-                    del held[gone]
+            for gone in [r for r in self._lookups if r not in self.requests]:
+                del self._lookups[gone]
             super().update_draft_token_ids(type(draft_token_ids)(draft_token_ids.req_ids, edited))
 
     return DraftlabScheduler

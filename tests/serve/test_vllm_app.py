@@ -131,10 +131,7 @@ def test_prompt_lookups_are_merged_where_the_served_tree_grafts_them(target, tmp
     assert engine["scheduler_cls"] == SCHEDULER and engine["additional_config"][LOOKUP_KEY] == {
         "spec": NgramSpec(tokens=3, grow_to=3).model_dump(),
         "draft_tokens": 2,
-        "gate": None,
     }
-    gated = resolve_engine(args.model_copy(update={"gate": 0.3}))[1]  # the pipeline's verdict
-    assert gated["additional_config"][LOOKUP_KEY]["gate"] == 0.3
     # vLLM drafts as many tokens as the longer chain; the drafter's first 2 are kept where
     # nothing matches
     assert engine["speculative_config"]["num_speculative_tokens"] == 3
@@ -177,8 +174,6 @@ def test_vllms_own_drafting_is_deployed_without_a_drafter_and_with_a_schedule(tm
         "num_speculative_tokens_per_batch_size": sched,
     }
     assert engine["scheduler_cls"] == SCHEDULER  # `draftlab_k` per request works here too
-    gated = resolve_engine(args.model_copy(update={"gate": 0.5}))[1]
-    assert gated["additional_config"][LOOKUP_KEY]["gate"] == 0.5
     suffix = resolve_engine(
         args.model_copy(
             update={"method": "suffix", "num_speculative_tokens": None, "schedule": None}

@@ -126,12 +126,6 @@ def test_the_router_sends_load_and_uncapped_requests_to_the_target_only_engine(c
     with pytest.raises(openai.BadRequestError) as e:
         engine_of(client, messages=messages, extra_body={"vllm_xargs": {"draftlab_k": "x"}})
     assert e.value.body["param"] == "vllm_xargs" and "draftlab_k" in e.value.body["message"]
-    # a request's own drafting gate: same engine, same answer; a bad one is refused by name
-    gated = engine_of(client, messages=messages, extra_body={"vllm_xargs": {"draftlab_gate": 9}})
-    assert gated == ("speculative", text)
-    with pytest.raises(openai.BadRequestError) as e:
-        engine_of(client, messages=messages, extra_body={"vllm_xargs": {"draftlab_gate": -1}})
-    assert e.value.body["param"] == "vllm_xargs" and "draftlab_gate" in e.value.body["message"]
 
 
 def test_loadtest_compares_the_endpoint_with_target_only_requests_of_the_same_server(base_url):

@@ -45,25 +45,12 @@ class VllmBenchSpec(StrictModel):
     """`vllm_draftlab` is also measured drafting each of these k (< its draft length), one
     `vllm_draftlab@k<n>` method each, on the same engine (per-request draft lengths,
     `draftlab.vllm_scheduler`; vLLM's parallel drafting still drafts every slot a step)."""
-    gates: list[float] = Field(default_factory=list)
-    """`vllm_draftlab` and `vllm_draftlab_ngram` are also measured with each of these
-    per-request drafting gates, one `<engine>@gate<x>` method each, on the same engine: a
-    request whose mean accepted draft tokens a step, over its last 8 verified steps, falls
-    below x decodes target-only for a while, then tries again (`draftlab.vllm_scheduler`'s
-    `Gate`). The verdict deploys the gate that won."""
     suffix_draft_lengths: list[int] = Field(default_factory=lambda: [8])
     """`vllm_suffix` is also measured with each request's drafts capped at each of these k
     (< its depth), one `vllm_suffix@k<n>` method each, on the same engine (per-request draft
     lengths, `draftlab.vllm_scheduler`). Where a verified draft token costs much of a target
     step (CPUs), shorter suffix drafts can pay more than its long ones; the verdict deploys
     the k that won."""
-
-    @field_validator("gates")
-    @classmethod
-    def _gates(cls, v: list[float]) -> list[float]:
-        if bad := [x for x in v if x < 0]:
-            raise ValueError(f"gates {bad}: each must be >= 0 (mean accepted draft tokens a step)")
-        return v
 
     @model_validator(mode="after")
     def _ngram_range(self) -> VllmBenchSpec:

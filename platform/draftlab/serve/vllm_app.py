@@ -101,12 +101,6 @@ class VllmServeArgs(ServingCommon):
     load levels, `draftlab.verdict`). None = the same k at every batch size. A parallel drafter
     drafts its k or nothing; `suffix` drafts (and is verified on) up to its k or nothing, the
     schedule applied by draftlab's scheduler (vLLM 0.29's suffix proposer takes none)."""
-    gate: float | None = Field(None, ge=0.0)
-    """Per-request drafting gate: a request whose mean accepted draft tokens a step, over its
-    last 8 verified steps, falls below this decodes target-only for a while, then tries again
-    (`draftlab.vllm_scheduler.Gate`); a request's own `"vllm_xargs": {"draftlab_gate": x}`
-    overrides it. None = every request drafts whatever it is accepted (the pipeline sets the
-    gate it measured fastest)."""
     speculate_up_to: int | None = Field(None, ge=1)
     """Route by load (opt-in): a second LLMServer deployment serves the target alone, and the
     ingress sends a request there when this many requests are already in flight at its replica
@@ -292,7 +286,7 @@ def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
             args.ngram_max,
             args.suffix_cached_requests,
         )
-        engine = engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0), args.gate)
+        engine = engine_kwargs(None, spec, spec.get("num_speculative_tokens", 0))
         return (
             vllm_target_dir(args.target),
             with_schedule(engine, args.schedule),
@@ -300,7 +294,7 @@ def resolve_engine(args: VllmServeArgs) -> tuple[str, dict, dict]:
         )
     pair = resolve_pair(args)  # downloads a registered drafter; its config names its target
     model, k, lookups = vllm_drafter(pair.drafter, pair.target, args)
-    engine = engine_kwargs(lookups, vllm_speculative_config(model, k), k, args.gate)
+    engine = engine_kwargs(lookups, vllm_speculative_config(model, k), k)
     return vllm_target_dir(pair.target), with_schedule(engine, args.schedule), pair.source
 
 

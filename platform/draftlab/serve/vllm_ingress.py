@@ -29,7 +29,7 @@ from ray.serve.llm.ingress import OpenAiIngress
 from draftlab.config import ServingCommon
 from draftlab.serve.app import authorize
 from draftlab.serve.protocol import APIError
-from draftlab.vllm_scheduler import REQUEST_GATE, check_gate, request_k
+from draftlab.vllm_scheduler import request_k
 
 ROUTE_HEADER = "x-draftlab-engine"  # "speculative" | "target-only"
 _TARGET_ONLY = contextvars.ContextVar("draftlab_target_only", default=False)
@@ -92,7 +92,6 @@ class Ingress(OpenAiIngress):
         """Ray's `route` on the engine this request's load and draft cap pick (module doc)."""
         try:
             cap = request_k(body.vllm_xargs)
-            check_gate((body.vllm_xargs or {}).get(REQUEST_GATE))
         except ValueError as e:
             raise APIError(400, f"vllm_xargs: {e}", param="vllm_xargs") from None
         target_only = self.in_flight >= self.speculate_up_to or cap == 0
