@@ -1,5 +1,6 @@
-"""Document-grounded magpie prompts (`source.documents`) and mixes of prompt sources
-(`data.source` as a list): configs, corpora, the per-turn openings and the interleaving.
+"""Document-grounded magpie prompts (`source.documents`), the chats magpie writes
+(`turns: chat`) and mixes of prompt sources (`data.source` as a list): configs, corpora, the
+per-turn openings and the interleaving.
 The tiny target writes random characters, so the tests check where texts come from and
 how they are laid out, not what they say."""
 
@@ -10,11 +11,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from draftlab.config import DataConfig, DistillConfig, PromptSourceConfig
-from draftlab.config.data import DOCUMENT_SEEDS
+from draftlab.config import DataConfig, DistillConfig, PromptSourceConfig, SamplingParams
+from draftlab.config.data import DOCUMENT_SEEDS, FOLLOW_UP_SEEDS
 from draftlab.data.documents import cut_to_tokens, document_stream
 from draftlab.data.selfdistill import interleave
-from draftlab.data.sources import collect_prompts, ground, reject_reason
+from draftlab.data.sources import collect_prompts, ground, prompt_text, reject_reason
+from draftlab.decoding.engine import autoregressive_generate
 
 KW = dict(progress=False, magpie_batch_size=3, magpie_max_rounds=40)
 
@@ -47,6 +49,9 @@ def test_a_mix_splits_its_total_by_weight():
         ({"source": [{"weight": 99}, {}], "num_prompts": 10}, r"source\[1\]: its weight"),
         ({"source": {"kind": "dataset", "documents": "self"}}, "set kind: magpie"),
         ({"source": {"document_tokens": 64}}, "documents is not"),
+        ({"source": {"kind": "dataset", "turns": "chat"}}, "set conversations"),
+        ({"source": {"answer_tokens": 64}}, "answer_tokens is for the chats magpie writes"),
+        ({"source": {"follow_up_seeds": ["Why"]}}, "follow_up_seeds is for the chats"),
     ],
 )
 def test_bad_mixes_and_document_settings_are_refused_by_name(data, message):
@@ -67,6 +72,9 @@ def test_document_prompts_must_leave_room_for_their_response():
     }
     with pytest.raises(ValidationError, match=r"data.source\[1\].max_new_tokens\) exceed"):
         DistillConfig.model_validate(base | {"data": mix})
+    chats = {"source": {"turns": "chat", "answer_tokens": 160}, "max_new_tokens": 128}
+    with pytest.raises(ValidationError, match=r"written chats of up to 432 tokens .*answer_tokens"):
+        DistillConfig.model_validate(base | {"data": chats})
 
 
 # --- documents -----------------------------------------------------------------------------
@@ -131,6 +139,49 @@ def test_plain_magpie_turns_of_one_round_open_with_different_seeds(tiny):
     got = collect_prompts(cfg, tiny, progress=False, magpie_batch_size=12, magpie_max_rounds=1)
     used = [next(s for s in seeds if p.startswith(s)) for p in got.prompts]
     assert len(set(used)) >= 2, used  # a round used to open all its turns alike
+
+
+# --- written chats ------------------------------------------------------------------------
+
+
+def test_chats_default_to_the_follow_up_seeds_and_count_all_turns_in_the_limit():
+    chat = PromptSourceConfig(turns="chat", max_prompt_tokens=32)
+    assert chat.follow_up_seeds == list(FOLLOW_UP_SEEDS) and chat.writes_chats
+    assert chat.prompt_token_limit == 32 + 128 + 32 + 16  # first turn, answer, second turn
+    assert PromptSourceConfig(max_prompt_tokens=32).prompt_token_limit == 32
+    # plain magpie sources keep their dumps (and so their cache keys)
+    assert "follow_up_seeds" not in PromptSourceConfig().model_dump()
+
+
+def test_the_target_writes_two_turn_chats_on_its_own_greedy_answers(tiny):
+    follow = ["Now", "Why"]
+    cfg = PromptSourceConfig(
+        turns="chat",
+        num_prompts=5,
+        min_chars=4,
+        max_prompt_tokens=16,
+        answer_tokens=6,
+        follow_up_seeds=follow,
+        magpie_seeds=["Solve"],
+    )
+    got = collect_prompts(cfg, tiny, **KW)
+    assert len(got.prompts) == 5  # (the junk filter drops some of the tiny target's turns)
+    openings = set()
+    for chat in got.prompts:
+        assert [m["role"] for m in chat] == ["user", "assistant", "user"]
+        first, answer, second = (m["content"] for m in chat)
+        assert first.startswith("Solve")
+        openings.add(next(f for f in follow if second.startswith(f)))
+        greedy = autoregressive_generate(
+            tiny, tiny.encode_prompt(first), SamplingParams(max_new_tokens=6)
+        ).tokens
+        assert answer == tiny.tokenizer.decode(greedy, skip_special_tokens=True).strip()
+        assert reject_reason(prompt_text(chat), cfg, tiny.tokenizer) is None
+    assert openings == set(follow)  # second turns open with the follow-up seeds in turn
+    assert collect_prompts(cfg, tiny, **KW) == got  # seeded
+    # a longer list resumes where this one stopped, inside a round of 3
+    longer = cfg.model_copy(update={"num_prompts": 8})
+    assert collect_prompts(longer, tiny, **KW, start=got) == collect_prompts(longer, tiny, **KW)
 
 
 # --- interleaving --------------------------------------------------------------------------

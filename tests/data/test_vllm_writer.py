@@ -124,6 +124,24 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(target, writer):
     assert load_prompts_from_source(other, target, progress=False, writer=writer) != got
 
 
+@pytest.mark.timeout(180)
+def test_magpie_chats_answer_greedily_and_follow_their_seeds(target, writer):
+    cfg = PromptSourceConfig(
+        kind="magpie", turns="chat", num_prompts=4, min_chars=4, max_prompt_tokens=16, seed=3
+    )
+    cfg = cfg.model_copy(update={"answer_tokens": 8, "magpie_seeds": ["Solve"]})
+    got = load_prompts_from_source(cfg, target, progress=False, writer=writer)
+    assert len(got) == 4
+    for chat in got:
+        first, answer, second = (m["content"] for m in chat)
+        greedy = autoregressive_generate(
+            target, target.encode_prompt(first), SamplingParams(max_new_tokens=8)
+        ).tokens
+        assert answer == target.tokenizer.decode(greedy, skip_special_tokens=True).strip()
+        assert first.startswith("Solve") and second.startswith(tuple(cfg.follow_up_seeds))
+    assert load_prompts_from_source(cfg, target, progress=False, writer=writer) == got
+
+
 def test_the_generators_are_part_of_the_cache_keys():
     hf, vllm = (
         vllm_data(generator="hf"),

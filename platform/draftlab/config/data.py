@@ -60,6 +60,23 @@ DOCUMENT_REQUESTS = (
 """What the target is asked to write when it writes its own documents (`documents: self`),
 in turn: the kinds of text users ask to summarise, query and translate."""
 
+FOLLOW_UP_SEEDS = (
+    "Now rewrite your answer",
+    "Can you summarize that",
+    "Explain your second point",
+    "Make it shorter",
+    "Translate your answer into",
+    "Give me an example of",
+    "What did you mean by",
+    "Put that in a table",
+    "Turn that into",
+    "Why",
+    "",
+    "Thanks! Now",
+)
+"""Openings of the second user turn of the chats magpie writes (`turns: chat`), in turn: what
+a user asks after an answer, mostly about that answer. The target writes the rest."""
+
 
 class PromptSourceConfig(StrictModel):
     """Where training prompts come from."""
@@ -79,10 +96,19 @@ class PromptSourceConfig(StrictModel):
     """`dataset`: ShareGPT-style column (list of {from|role, value|content}); what of it is
     the prompt: `turns`."""
     turns: Literal["first", "chat"] = Field("first", exclude_if=unset)
-    """`conversations`: `first` = the first human/user turn alone; `chat` = the conversation
-    up to its last user turn, as chat messages (the earlier assistant turns as the dataset has
-    them): the target answers that turn with the whole chat in its context, as it does when
-    it serves a multi-turn chat. Its filters and `max_prompt_tokens` apply to all the turns."""
+    """`dataset` with `conversations`: `first` = the first human/user turn alone; `chat` = the
+    conversation up to its last user turn, as chat messages (the earlier assistant turns as
+    the dataset has them). `magpie`: `chat` = two-turn chats the target writes: a first user
+    turn (as plain magpie, or grounded with `documents`), its own greedy answer (at most
+    `answer_tokens`), then a second user turn opening with `follow_up_seeds`. Either way the
+    target answers the last turn with the whole chat in its context, as it does when it
+    serves a multi-turn chat, and the filters and length limits apply to all the turns."""
+    answer_tokens: int | None = Field(None, ge=1, exclude_if=unset)
+    """`magpie` with `turns: chat`: the first answer's length cap in target tokens
+    (None = 128)."""
+    follow_up_seeds: list[str] | None = Field(None, min_length=1, exclude_if=unset)
+    """`magpie` with `turns: chat`: openings of the second user turns, used in turn (chat i
+    takes opening i mod their count). None = `FOLLOW_UP_SEEDS`."""
     data_files: str | list[str] | None = Field(None, exclude_if=unset)
     """`dataset` from the hub or a local directory: read only these files of it (names or glob
     patterns, as `datasets.load_dataset(data_files=...)`). A repo without a loading config
@@ -123,9 +149,19 @@ class PromptSourceConfig(StrictModel):
     cut at a paragraph or line end; `self` ones are written to this length). None = 256."""
 
     @model_validator(mode="after")
-    def _documents(self) -> PromptSourceConfig:
-        if self.turns == "chat" and self.conversations is None:
+    def _chats(self) -> PromptSourceConfig:
+        if self.turns == "chat" and self.kind == "dataset" and self.conversations is None:
             raise ValueError("turns: chat reads a conversation column: set conversations")
+        if not self.writes_chats:
+            for name in ("answer_tokens", "follow_up_seeds"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for the chats magpie writes: set turns: chat")
+        elif self.follow_up_seeds is None:
+            self.follow_up_seeds = list(FOLLOW_UP_SEEDS)
+        return self
+
+    @model_validator(mode="after")
+    def _documents(self) -> PromptSourceConfig:
         if self.documents is None:
             for name in ("document_field", "document_tokens"):
                 if getattr(self, name) is not None:
@@ -143,10 +179,24 @@ class PromptSourceConfig(StrictModel):
         return 0 if self.documents is None else self.document_tokens or 256
 
     @property
+    def writes_chats(self) -> bool:
+        """The target writes two-turn chats (`kind: magpie`, `turns: chat`)."""
+        return self.kind == "magpie" and self.turns == "chat"
+
+    @property
+    def chat_answer_tokens(self) -> int:
+        """The first answer's length cap of a written chat (0 when none is written)."""
+        return (self.answer_tokens or 128) if self.writes_chats else 0
+
+    @property
     def prompt_token_limit(self) -> int:
         """The longest prompt kept, in target tokens: the written words, plus any document and
-        64 for the opening's own words around it."""
-        return self.max_prompt_tokens + self.doc_tokens + (64 if self.documents else 0)
+        64 for the opening's own words around it; a written chat adds its first answer and a
+        second turn (the written words and 16 for its opening)."""
+        first = self.max_prompt_tokens + self.doc_tokens + (64 if self.documents else 0)
+        if not self.writes_chats:
+            return first
+        return first + self.chat_answer_tokens + self.max_prompt_tokens + 16
 
     def gated_repo(self) -> str | None:
         """The hub dataset a token is needed for (see `gated`), or None."""

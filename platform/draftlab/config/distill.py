@@ -269,21 +269,28 @@ class DistillConfig(StrictModel):
 
     @model_validator(mode="after")
     def _documents_fit_the_sequence(self) -> DistillConfig:
-        """Training cuts samples at `train.max_seq_len`: a document-grounded prompt must leave
-        room for its response, or its sample would train on the prompt alone."""
+        """Training cuts samples at `train.max_seq_len`: a document-grounded prompt or a
+        written chat must leave room for its response, or its sample would train on the prompt
+        alone."""
         mix = isinstance(self.data.source, list)
         for i, (src, answer) in enumerate(
             zip(self.data.sources, self.data.response_lengths, strict=True)
         ):
             need = src.prompt_token_limit + answer
-            if src.documents and need > self.train.max_seq_len:
+            if (src.documents or src.writes_chats) and need > self.train.max_seq_len:
                 where = f"data.source[{i}]" if mix else "data.source"
                 length = f"{where}.max_new_tokens" if mix else "data.max_new_tokens"
+                kind = "document-grounded prompts" if src.documents else "written chats"
+                lower = " / ".join(
+                    ["document_tokens"] * bool(src.documents)
+                    + ["answer_tokens"] * src.writes_chats
+                    + ["max_prompt_tokens"]
+                )
                 raise ValueError(
-                    f"{where}: document-grounded prompts of up to {src.prompt_token_limit} tokens "
+                    f"{where}: {kind} of up to {src.prompt_token_limit} tokens "
                     f"plus answers of {answer} tokens ({length}) exceed "
                     f"train.max_seq_len = {self.train.max_seq_len}: raise train.max_seq_len "
-                    "or lower document_tokens / max_prompt_tokens"
+                    f"or lower {lower}"
                 )
         return self
 

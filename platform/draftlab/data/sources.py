@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessorList
 
-from draftlab.config import PromptSourceConfig
+from draftlab.config import DataConfig, PromptSourceConfig
 from draftlab.data.documents import document_stream
-from draftlab.data.responses import left_padded
+from draftlab.data.responses import generate_responses, left_padded
 from draftlab.data.sampling import TopKTopPSampler
 from draftlab.data.tables import describe_source, open_dataset
 
@@ -224,12 +224,15 @@ def _dataset_texts(cfg: PromptSourceConfig, first: int = 0) -> Iterator[Prompt |
 # --- kind = "magpie" -----------------------------------------------------------------------
 
 
-def user_turn_header(tokenizer) -> str:
-    """The chat template's text up to where a user message starts (system turn included)."""
+def user_turn_header(tokenizer, chat: list[dict[str, str]] | None = None) -> str:
+    """The chat template's text up to where a user message starts (system turn included),
+    after the messages of `chat` when given (the header of a chat's next user turn)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("magpie prompts need a target with a chat template; use kind='dataset'")
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
+        [*(chat or []), {"role": "user", "content": _SENTINEL}],
+        tokenize=False,
+        add_generation_prompt=False,
     )
     if _SENTINEL not in rendered:
         raise ValueError(
@@ -253,6 +256,7 @@ def _end_of_turn_ids(target, tokenizer) -> list[int]:
 _VLLM_MAGPIE_REQUESTS = (
     256  # turns a vLLM writer is asked for at a time (whole rounds; the last call overshoots)
 )
+_FOLLOW_UP_SEED_OFFSET = 10**12  # second turns of chats: seeds apart from the first turns'
 
 
 def _magpie_texts(
@@ -274,8 +278,9 @@ def _magpie_texts(
 
 def _magpie_rounds(
     cfg: PromptSourceConfig, target, batch_size: int, first_round: int, max_rounds: int, writer
-) -> Iterator[str]:
-    """The turns of rounds `first_round` .. `max_rounds - 1` (see `_magpie_texts`)."""
+) -> Iterator[Prompt | None]:
+    """The turns (or `turns: chat` chats) of rounds `first_round` .. `max_rounds - 1` (see
+    `_magpie_texts`)."""
     tok = target.tokenizer
     header = user_turn_header(tok)
     stop = _end_of_turn_ids(target, tok)
@@ -291,53 +296,98 @@ def _magpie_rounds(
             words = [ground(w, d) for w, d in zip(words, docs(first, batch_size), strict=True)]
         return [(w, tok(header + w, add_special_tokens=False)["input_ids"]) for w in words]
 
-    def turn(words: str, row: list[int]) -> str:
-        cut = next((i for i, t in enumerate(row) if t in stop), len(row))
-        return words + tok.decode(row[:cut], skip_special_tokens=True)
-
-    if writer is not None:
-        # grounded rounds are costly (documents to write, long prompts): one round a call, so
-        # a list that fills up mid-call wastes no other round
-        per_call = 1 if docs is not None else max(1, _VLLM_MAGPIE_REQUESTS // batch_size)
-        for first in range(first_round, max_rounds, per_call):
-            rounds = range(first, min(first + per_call, max_rounds))
-            starts = [start for r in rounds for start in openings(r)]
+    def turns(starts: list[tuple[str, list[int]]], rounds: range, seed: int) -> list[str]:
+        """Each opening's words and what the target writes after them, to its end of turn:
+        sampled with seed `seed` + the turn's index (HF: `seed` + the round's, one round)."""
+        if writer is not None:
             rows = writer.generate_many(
                 [ids for _, ids in starts],
                 cfg.max_prompt_tokens,
                 temperature=cfg.magpie_temperature,
                 top_p=cfg.magpie_top_p,
                 stop_token_ids=stop,
-                seeds=[
-                    cfg.seed * 1_000_003 + r * batch_size + b
-                    for r in rounds
-                    for b in range(batch_size)
-                ],
+                seeds=[seed + r * batch_size + b for r in rounds for b in range(batch_size)],
             )
-            for (words, _), row in zip(starts, rows, strict=True):
-                yield turn(words, row)
-        return
+        else:
+            rows = _hf_sampled(cfg, target, [ids for _, ids in starts], stop, seed + rounds[0])
+        out = []
+        for (words, _), row in zip(starts, rows, strict=True):
+            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+            out.append(words + tok.decode(row[:cut], skip_special_tokens=True))
+        return out
+
+    # grounded rounds and chats are costly (documents to write, answers, long prompts): one
+    # round a vLLM call, so a list that fills up mid-call wastes no other round
+    several = writer is not None and docs is None and not cfg.writes_chats
+    per_call = max(1, _VLLM_MAGPIE_REQUESTS // batch_size) if several else 1
+    for first in range(first_round, max_rounds, per_call):
+        rounds = range(first, min(first + per_call, max_rounds))
+        written = turns([s for r in rounds for s in openings(r)], rounds, cfg.seed * 1_000_003)
+        if cfg.writes_chats:
+            yield from _chats(cfg, target, written, rounds, batch_size, writer, turns)
+        else:
+            yield from written
+
+
+def _chats(
+    cfg: PromptSourceConfig,
+    target,
+    firsts: list[str],
+    rounds: range,
+    batch_size: int,
+    writer,
+    turns: Callable[[list[tuple[str, list[int]]], range, int], list[str]],
+) -> list[list[dict[str, str]] | None]:
+    """Two-turn chats on the rounds' first turns: the target's greedy answer to each, then a
+    second user turn that `turns` writes after it (turn i opens with follow-up seed i). None
+    where the answer is empty (nothing to follow up)."""
+    tok = target.tokenizer
+    answers = generate_responses(
+        target,
+        [target.encode_prompt(t) for t in firsts],
+        DataConfig(max_new_tokens=cfg.chat_answer_tokens, temperature=0.0, batch_size=batch_size),
+        writer=writer,
+    )
+    chats = [
+        [{"role": "user", "content": t}, {"role": "assistant", "content": a.strip()}]
+        for t, a in zip(firsts, tok.batch_decode(answers, skip_special_tokens=True), strict=True)
+    ]
+    seeds, first = cfg.follow_up_seeds, rounds[0] * batch_size
+    starts = []
+    for i, chat in enumerate(chats, start=first):
+        words = seeds[i % len(seeds)]
+        ids = tok(user_turn_header(tok, chat) + words, add_special_tokens=False)["input_ids"]
+        starts.append((words, ids))
+    seconds = turns(starts, rounds, cfg.seed * 1_000_003 + _FOLLOW_UP_SEED_OFFSET)
+    return [
+        [*chat, {"role": "user", "content": second}] if chat[1]["content"] else None
+        for chat, second in zip(chats, seconds, strict=True)
+    ]
+
+
+def _hf_sampled(
+    cfg: PromptSourceConfig, target, starts: list[list[int]], stop: list[int], seed: int
+) -> list[list[int]]:
+    """HF `generate`'s new ids after each start (sampled at the source's magpie temperature,
+    `seed` for the whole batch), one left-padded batch."""
+    tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop[0]
     devices = [target.device.index or 0] if target.device.type == "cuda" else []
-    for round_ in range(first_round, max_rounds):
-        starts = openings(round_)
-        ids, mask = left_padded([start for _, start in starts], pad)  # (B, W) each
-        width = ids.shape[1]
-        with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
-            torch.manual_seed(cfg.seed * 1_000_003 + round_)
-            out = target.model.generate(
-                ids.to(target.device),
-                attention_mask=mask.to(target.device),
-                do_sample=False,  # the sampler runs in the greedy loop (fast on CPU)
-                logits_processor=LogitsProcessorList(
-                    [TopKTopPSampler(cfg.magpie_temperature, cfg.magpie_top_p)]
-                ),
-                max_new_tokens=cfg.max_prompt_tokens,
-                eos_token_id=stop,
-                pad_token_id=pad,
-            )  # (B, W + new)
-        for (words, _), row in zip(starts, out[:, width:].tolist(), strict=True):
-            yield turn(words, row)
+    ids, mask = left_padded(starts, pad)  # (B, W) each
+    with torch.random.fork_rng(devices=devices):  # seeded, without touching global RNG
+        torch.manual_seed(seed)
+        out = target.model.generate(
+            ids.to(target.device),
+            attention_mask=mask.to(target.device),
+            do_sample=False,  # the sampler runs in the greedy loop (fast on CPU)
+            logits_processor=LogitsProcessorList(
+                [TopKTopPSampler(cfg.magpie_temperature, cfg.magpie_top_p)]
+            ),
+            max_new_tokens=cfg.max_prompt_tokens,
+            eos_token_id=stop,
+            pad_token_id=pad,
+        )  # (B, W + new)
+    return out[:, ids.shape[1] :].tolist()
 
 
 def ground(opening: str, document: str) -> str:
