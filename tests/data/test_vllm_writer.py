@@ -127,9 +127,15 @@ def test_magpie_prompts_are_filtered_unique_and_seeded(target, writer):
 @pytest.mark.timeout(180)
 def test_magpie_chats_answer_greedily_and_follow_their_seeds(target, writer):
     cfg = PromptSourceConfig(
-        kind="magpie", turns="chat", num_prompts=4, min_chars=4, max_prompt_tokens=16, seed=3
+        kind="magpie",
+        turns="chat",
+        num_prompts=4,
+        min_chars=4,
+        max_prompt_tokens=16,
+        answer_tokens=8,
+        magpie_seeds=["Solve"],
+        seed=3,
     )
-    cfg = cfg.model_copy(update={"answer_tokens": 8, "magpie_seeds": ["Solve"]})
     got = load_prompts_from_source(cfg, target, progress=False, writer=writer)
     assert len(got) == 4
     for chat in got:

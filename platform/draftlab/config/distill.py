@@ -281,11 +281,8 @@ class DistillConfig(StrictModel):
                 where = f"data.source[{i}]" if mix else "data.source"
                 length = f"{where}.max_new_tokens" if mix else "data.max_new_tokens"
                 kind = "document-grounded prompts" if src.documents else "written chats"
-                lower = " / ".join(
-                    ["document_tokens"] * bool(src.documents)
-                    + ["answer_tokens"] * src.writes_chats
-                    + ["max_prompt_tokens"]
-                )
+                grown_by = (("document_tokens", src.documents), ("answer_tokens", src.writes_chats))
+                lower = " / ".join([*(name for name, on in grown_by if on), "max_prompt_tokens"])
                 raise ValueError(
                     f"{where}: {kind} of up to {src.prompt_token_limit} tokens "
                     f"plus answers of {answer} tokens ({length}) exceed "
