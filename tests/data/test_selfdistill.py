@@ -545,6 +545,33 @@ def test_a_missing_vllm_writer_is_a_config_error_before_any_work(data_cfg, tmp_p
     assert not (cache_path(data, "x").parent / "prompts").exists()  # nothing written
 
 
+def test_auto_writes_grounded_magpie_prompts_with_the_responses_writer():
+    def mix(**update) -> DataConfig:
+        entries = [{"kind": "magpie"}, {"kind": "magpie", "documents": "python-docs"}]
+        return DataConfig(source=entries, num_prompts=4, **update)
+
+    plain, grounded = mix().sources
+    for responses in ("hf", "vllm"):
+        data = mix(generator=responses)
+        assert (data.prompt_writer(plain), data.prompt_writer(grounded)) == ("hf", responses)
+        assert cache.prompt_writers(data) == {"hf", responses}
+        # an auto-written list is the list of the writer it resolves to
+        for source, resolved in ((plain, "hf"), (grounded, responses)):
+            explicit = mix(generator=responses, prompt_generator=resolved)
+            assert prompts_cache_file(data, "fp", source) == (
+                prompts_cache_file(explicit, "fp", source)
+            )
+    assert prompts_cache_file(mix(generator="vllm"), "fp", grounded) != (
+        prompts_cache_file(mix(generator="hf"), "fp", grounded)
+    )
+    assert mix(generator="vllm", prompt_generator="hf").prompt_writer(grounded) == "hf"
+    assert mix(prompt_generator="vllm").prompt_writer(plain) == "vllm"
+    # plain magpie alone: auto keys its data as the former default, HF, did
+    alone = DataConfig(source={"kind": "magpie", "num_prompts": 4}, generator="vllm")
+    hf = alone.model_copy(update={"prompt_generator": "hf"})
+    assert dataset_key(alone, "fp") == dataset_key(hf, "fp")
+
+
 @pytest.mark.slow
 def test_changed_settings_or_source_file_generate_anew(ray_local, data_cfg, tiny, tmp_path):
     copy = tmp_path / "prompts.jsonl"

@@ -8,12 +8,14 @@ started by each generation actor, which must be gone once the actors are.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import psutil
 import pytest
 
 from draftlab.config import DataConfig, PromptSourceConfig, SamplingParams, TargetSpec
+from draftlab.data import selfdistill
 from draftlab.data.cache import dataset_key, prompts_cache_file
 from draftlab.data.generation import open_writer
 from draftlab.data.responses import generate_responses
@@ -146,6 +148,47 @@ def test_magpie_chats_answer_greedily_and_follow_their_seeds(target, writer):
         assert answer == target.tokenizer.decode(greedy, skip_special_tokens=True).strip()
         assert first.startswith("Solve") and second.startswith(tuple(cfg.follow_up_seeds))
     assert load_prompts_from_source(cfg, target, progress=False, writer=writer) == got
+
+
+@pytest.mark.timeout(240)
+def test_auto_has_vllm_write_only_the_grounded_prompts(target, writer, tmp_path, monkeypatch):
+    docs = tmp_path / "docs.jsonl"
+    report = "The pumps ran all year and the reservoir stayed full. " * 4
+    docs.write_text("".join(json.dumps({"text": f"Report {i}. {report}"}) + "\n" for i in range(4)))
+    plain = {"kind": "magpie", "min_chars": 4, "max_prompt_tokens": 16, "seed": 3}
+    grounded = plain | {"documents": str(docs), "document_tokens": 32, "seed": 5}
+    data = DataConfig(
+        source=[plain, grounded],
+        num_prompts=8,
+        generator="vllm",  # prompt_generator: auto
+        max_new_tokens=NEW,
+        batch_size=8,
+        vllm_memory_fraction=0.1,
+        cache_dir=str(tmp_path),
+    )
+    asked = []
+
+    def shared_engine(data, target, generator, **kwargs):  # the module's one in-process engine
+        asked.append(generator)
+        return contextlib.nullcontext(writer if generator == "vllm" else None)
+
+    monkeypatch.setattr(selfdistill, "open_writer", shared_engine)
+    got, _ = selfdistill._cached_prompts(data, target, TINY, progress=False)
+    assert asked == ["vllm"]
+    plain_src, grounded_src = data.sources
+    by_hf = load_prompts_from_source(plain_src, target, progress=False, magpie_batch_size=8)
+    by_vllm = load_prompts_from_source(
+        grounded_src, target, progress=False, magpie_batch_size=8, writer=writer
+    )
+    assert sorted(got) == sorted(by_hf + by_vllm)
+    # the writers differ: HF would have written other grounded prompts, vLLM other plain ones
+    hf_grounded = load_prompts_from_source(
+        grounded_src, target, progress=False, magpie_batch_size=8
+    )
+    vllm_plain = load_prompts_from_source(
+        plain_src, target, progress=False, magpie_batch_size=8, writer=writer
+    )
+    assert hf_grounded != by_vllm and vllm_plain != by_hf
 
 
 def test_the_generators_are_part_of_the_cache_keys():

@@ -246,11 +246,12 @@ class DataConfig(StrictModel):
     cores vLLM wrote 1026 greedy tokens/s at 128 requests against HF's 545 at 64.
     Features always come from the HF target's forward. Greedy responses of the two differ
     only after near-tied logits; the data cache keeps them apart."""
-    prompt_generator: Literal["hf", "vllm"] = "hf"
-    """What writes magpie prompts (sampled at `source.magpie_temperature`): `hf` or `vllm`,
-    as `generator`. On 2 CPU cores HF's sampler is the faster one for plain prompts: 8.3
-    prompts/s against vLLM's 5.8, 128 at a time; grounded on 640-token `documents`, vLLM is:
-    0.67 prompts/s against HF's 0.28. Part of the prompt and data cache keys."""
+    prompt_generator: Literal["auto", "hf", "vllm"] = "auto"
+    """What writes magpie prompts (sampled at `source.magpie_temperature`): `hf` or `vllm`, as
+    `generator`, or `auto`: HF for plain prompts, and for prompts grounded on `documents` the
+    responses' writer (`generator`). On 2 CPU cores HF's sampler is the faster one for plain
+    prompts: 8.3 prompts/s against vLLM's 5.8, 128 at a time; on 640-token documents vLLM is:
+    0.67 prompts/s against HF's 0.28. The writer is part of the prompt and data cache keys."""
     vllm_memory_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """A vLLM writer's share of memory for weights and KV cache
     (CPU: of the RAM; GPU: of the GPU's memory, which the HF target shares)."""
@@ -324,6 +325,12 @@ class DataConfig(StrictModel):
             )
             for e, n in zip(self.source, self.mix_counts(), strict=True)
         ]
+
+    def prompt_writer(self, source: PromptSourceConfig) -> Literal["hf", "vllm"]:
+        """Who writes `source`'s magpie prompts: `prompt_generator`, with `auto` resolved."""
+        if self.prompt_generator != "auto":
+            return self.prompt_generator
+        return self.generator if source.documents is not None else "hf"
 
     @property
     def response_lengths(self) -> list[int]:

@@ -102,7 +102,7 @@ def key_inputs(data: DataConfig, target_fingerprint: str) -> dict:
         }
         | ({"aux_layers": data.aux_layers} if data.aux_layers is not None else {})
         | (  # older keys stay valid
-            {"generator": data.generator, "prompt_generator": data.prompt_generator}
+            {"generator": data.generator, "prompt_generator": _prompt_writers_key(data)}
             if writers(data) != {"hf"}
             else {}
         )
@@ -119,9 +119,23 @@ def _magpie(data: DataConfig) -> bool:
     return any(s.kind == "magpie" for s in data.sources)
 
 
+def prompt_writers(data: DataConfig) -> set[str]:
+    """Who writes `data`'s magpie prompts (`DataConfig.prompt_writer` of each magpie source)."""
+    return {data.prompt_writer(s) for s in data.sources if s.kind == "magpie"}
+
+
 def writers(data: DataConfig) -> set[str]:
     """The generators `data` starts (magpie prompts, then responses)."""
-    return {data.generator} | ({data.prompt_generator} if _magpie(data) else set())
+    return {data.generator} | prompt_writers(data)
+
+
+def _prompt_writers_key(data: DataConfig) -> str:
+    """The prompt writers in the data key: "hf", "vllm" or "hf+vllm" (without magpie sources,
+    the setting as it was keyed before `auto`: older keys stay valid)."""
+    used = prompt_writers(data) or {
+        "hf" if data.prompt_generator == "auto" else data.prompt_generator
+    }
+    return "+".join(sorted(used))
 
 
 def _digest(inputs: dict) -> str:
@@ -225,8 +239,8 @@ def _prompt_inputs(data: DataConfig, source: PromptSourceConfig, target_fingerpr
     }
     magpie = source.kind == "magpie"
     inputs["magpie_batch_size"] = data.batch_size if magpie else None
-    if magpie and data.prompt_generator != "hf":  # older keys stay valid
-        inputs["generator"] = data.prompt_generator
+    if magpie and data.prompt_writer(source) != "hf":  # older keys stay valid
+        inputs["generator"] = data.prompt_writer(source)
     if magpie:
         inputs["magpie_turns"] = MAGPIE_TURNS
     return inputs

@@ -50,7 +50,7 @@ def open_writer(
     data: DataConfig, target, generator: str, sampled: bool = True
 ) -> contextlib.AbstractContextManager:
     """The vLLM engine on `target`'s weights when `generator` (`data.generator` for the
-    responses, `data.prompt_generator` for magpie prompts) is `vllm`; None for `hf` (the
+    responses, `data.prompt_writer` for magpie prompts) is `vllm`; None for `hf` (the
     target's own `generate` writes them). An engine that may sample with seeds (`sampled`)
     schedules whole prefills (`VllmEngine.whole_prefills`); a greedy one keeps vLLM's
     chunked prefill."""

@@ -15,7 +15,6 @@ the cache (keys, layout, its lock, growth from a smaller data set) is `draftlab.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -91,25 +90,22 @@ def _cached_prompts(
             continue
         lists.append(None)
         todo.append((len(lists) - 1, source, cached))
-    writes = any(source.kind == "magpie" for _, source, _ in todo)  # the target writes them
-    if writes:
+    written = [source for _, source, _ in todo if source.kind == "magpie"]  # the target writes
+    if written:
         target = load_target(
             spec
             if spec.device == "cpu" or torch.cuda.is_available()
             else spec.model_copy(update={"device": "cpu"})
         )
-    with (
-        open_writer(data, target, data.prompt_generator)
-        if writes
-        else contextlib.nullcontext(None) as writer
-    ):
+    by_vllm = [source for source in written if data.prompt_writer(source) == "vllm"]
+    with open_writer(data, target, "vllm" if by_vllm else "hf") as writer:
         for i, source, cached in todo:
             got = sources.collect_prompts(
                 source,
                 target,
                 progress=progress,
                 magpie_batch_size=data.batch_size,
-                writer=writer if source.kind == "magpie" else None,
+                writer=writer if source in by_vllm else None,
                 start=cached if cached is not None and cached.consumed is not None else None,
                 save=functools.partial(save_prompts, data, target.fingerprint, source=source),
             )
@@ -268,7 +264,9 @@ def _check_generator(data: DataConfig) -> None:
         try:
             vllm_offline.require_vllm()
         except ImportError as e:
-            raise ConfigError(f"data.{field}=vllm: {e}; or set data.{field}=hf") from None
+            raise ConfigError(
+                f"data.{field}={getattr(data, field)}: {e}; or set data.{field}=hf"
+            ) from None
 
 
 def load_or_generate(
