@@ -163,7 +163,6 @@ def test_auto_has_vllm_write_only_the_grounded_prompts(target, writer, tmp_path,
         generator="vllm",  # prompt_generator: auto
         max_new_tokens=NEW,
         batch_size=8,
-        vllm_memory_fraction=0.1,
         cache_dir=str(tmp_path),
     )
     asked = []
