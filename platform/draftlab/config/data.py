@@ -326,8 +326,11 @@ class DataConfig(StrictModel):
             for e, n in zip(self.source, self.mix_counts(), strict=True)
         ]
 
-    def prompt_writer(self, source: PromptSourceConfig) -> Literal["hf", "vllm"]:
-        """Who writes `source`'s magpie prompts: `prompt_generator`, with `auto` resolved."""
+    def prompt_writer(self, source: PromptSourceConfig) -> Literal["hf", "vllm"] | None:
+        """Who writes `source`'s prompts: `prompt_generator` with `auto` resolved for a magpie
+        source; None for a source whose prompts are read, not written."""
+        if source.kind != "magpie":
+            return None
         if self.prompt_generator != "auto":
             return self.prompt_generator
         return self.generator if source.documents is not None else "hf"

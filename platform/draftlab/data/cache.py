@@ -121,7 +121,7 @@ def _magpie(data: DataConfig) -> bool:
 
 def prompt_writers(data: DataConfig) -> set[str]:
     """Who writes `data`'s magpie prompts (`DataConfig.prompt_writer` of each magpie source)."""
-    return {data.prompt_writer(s) for s in data.sources if s.kind == "magpie"}
+    return {data.prompt_writer(s) for s in data.sources} - {None}
 
 
 def writers(data: DataConfig) -> set[str]:
@@ -239,8 +239,8 @@ def _prompt_inputs(data: DataConfig, source: PromptSourceConfig, target_fingerpr
     }
     magpie = source.kind == "magpie"
     inputs["magpie_batch_size"] = data.batch_size if magpie else None
-    if magpie and data.prompt_writer(source) != "hf":  # older keys stay valid
-        inputs["generator"] = data.prompt_writer(source)
+    if data.prompt_writer(source) == "vllm":  # older keys stay valid
+        inputs["generator"] = "vllm"
     if magpie:
         inputs["magpie_turns"] = MAGPIE_TURNS
     return inputs

@@ -90,7 +90,7 @@ def _cached_prompts(
             continue
         lists.append(None)
         todo.append((len(lists) - 1, source, cached))
-    written = [source for _, source, _ in todo if source.kind == "magpie"]  # the target writes
+    written = [source for _, source, _ in todo if data.prompt_writer(source)]  # by the target
     if written:
         target = load_target(
             spec
