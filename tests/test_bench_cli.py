@@ -546,6 +546,14 @@ def test_greedy_mismatches_name_method_prompt_position_and_margins(tiny, tiny_pr
         "1 outputs differ, widest top-2 gap at a difference "
     )
     assert describe_mismatches([]) == "none"
+    # two passes (runs hold both, in order): a difference in either pass is found once, with
+    # the prompt's own index
+    twice = {m: rs + rs for m, rs in runs.items()} | {"late": runs["same"] + runs["other"]}
+    found = greedy_mismatches(tiny, encoded, twice, "ar", ["same", "other", "late"])
+    assert [(m["method"], m["prompt"], m["position"]) for m in found] == [
+        ("other", 1, 5),
+        ("late", 1, 5),
+    ]
 
 
 def test_packaged_prompt_sets_by_name():
@@ -610,10 +618,8 @@ def test_bench_grafts_drafts_from_the_drafters_lookup_store(tmp_path, tiny):
     assert tau["3"] > tau["0"] + 0.5
 
 
-@pytest.mark.parametrize("flags,eager", [([], True), (["--vllm-compile"], False)])
-def test_vllm_engines_run_eager_unless_asked_to_compile_as_served(flags, eager, monkeypatch):
-    """The flag reaches the engines' settings (a compiled engine's start-up compiles for
-    minutes, so the bench itself is not run: the config it would get is captured)."""
+def bench_config(monkeypatch, args: list[str]):
+    """The config `draftlab bench ARGS` would run (the bench itself is not run)."""
     import draftlab.bench
 
     got = {}
@@ -624,5 +630,21 @@ def test_vllm_engines_run_eager_unless_asked_to_compile_as_served(flags, eager, 
 
     monkeypatch.setattr(draftlab.bench, "run_bench", capture)
     with pytest.raises(SystemExit):
-        main(["bench", "--target", "tiny-llama", "--methods", "vllm_ar", *flags])
-    assert got["cfg"].vllm.enforce_eager is eager
+        main(["bench", "--target", "tiny-llama", *args])
+    return got["cfg"]
+
+
+@pytest.mark.parametrize("flags,eager", [([], True), (["--vllm-compile"], False)])
+def test_vllm_engines_run_eager_unless_asked_to_compile_as_served(flags, eager, monkeypatch):
+    """The flag reaches the engines' settings (a compiled engine's start-up compiles for
+    minutes, so the bench itself is not run: the config it would get is captured)."""
+    cfg = bench_config(monkeypatch, ["--methods", "vllm_ar", *flags])
+    assert cfg.vllm.enforce_eager is eager
+    assert cfg.vllm.side_by_side is True and cfg.passes == 1  # the defaults
+
+
+def test_bench_passes_and_one_engine_at_a_time_reach_the_config(monkeypatch):
+    cfg = bench_config(
+        monkeypatch, ["--methods", "vllm_ar", "--passes", "3", "--vllm-one-at-a-time"]
+    )
+    assert cfg.passes == 3 and cfg.vllm.side_by_side is False

@@ -35,7 +35,7 @@ KEYS = [
     "vllm_greedy_checked",
     "vllm_greedy_mismatches",
     "vllm_ar_matches_ar",
-    "vllm_order",
+    "order",
     "vllm",
     "torch",
     "methods",
@@ -118,6 +118,11 @@ def test_the_report_keeps_its_keys_in_order(report):
         and report["vllm"] is None
         and report["load"] is None
     )
+    assert report["order"] == {  # one group, ours; no vLLM warm-up batch
+        "groups": [list(report["methods"])],
+        "passes": 1,
+        "warmup_requests": 1,
+    }
 
 
 def test_the_report_round_trips_through_its_model(report):
@@ -147,7 +152,7 @@ def test_a_missing_key_is_refused(report):
 
 
 def test_vllm_info_carries_the_bench_specs_fields_in_order():
-    """`_run_vllm` spreads `cfg.vllm.model_dump()` between `dtype` and `startup_s`."""
+    """`_decode` spreads `cfg.vllm.model_dump()` between `dtype` and `startup_s`."""
     spec = list(VllmBenchSpec.model_fields)
     fields = list(VllmInfo.model_fields)
     assert fields[3 : 3 + len(spec)] == spec
@@ -161,6 +166,7 @@ def test_vllm_info_carries_the_bench_specs_fields_in_order():
         "dtype": "float32",
         **VllmBenchSpec().model_dump(),
         "startup_s": {"vllm_ar": 1.0},
+        "kv_cache_bytes": {"vllm_ar": 2**20},
         "engines": {"vllm_ar": ["vllm_ar"]},
         "speculative_config": {"vllm_ar": None},
         "lookups": {},

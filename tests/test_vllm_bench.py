@@ -51,6 +51,7 @@ MEASURED = [
 ]  # methods: suffix capped at 8 on its engine (the default), k1, k2 on the drafter's engine
 NEW = 32
 K = 3
+PASSES = 2
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def in_process():
 @pytest.fixture(scope="module")
 def report(target_dir, in_process, tmp_path_factory) -> dict:
     """One bench over ar + every vLLM method (vllm_ar is added), the drafter also at k = 1 and 2
-    on its engine, and 2 load levels; 5 engines, one at a time."""
+    on its engine, and 2 load levels; 5 engines side by side, 2 passes."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     cfg = BenchConfig(
         target=TargetSpec(name=target_dir, dtype="float32"),
@@ -98,6 +99,7 @@ def report(target_dir, in_process, tmp_path_factory) -> dict:
             "env": {"DRAFTLAB_PROBE": "bench"},
         },
         concurrency=[1, 3],
+        passes=PASSES,
     )
     report = run_bench(cfg, progress=False)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -135,9 +137,9 @@ def test_bench_report_has_the_vllm_fields(report):
     m = report["methods"]
     vllm = VLLM
     assert list(m) == ["ar", *MEASURED]  # vllm_ar joins any vllm_* method
-    assert report["vllm_order"] == {
-        "interleaved": ["ar"],
-        "blocks": MEASURED,
+    assert report["order"] == {  # every engine beside ours, every method on each prompt in turn
+        "groups": [["ar", *MEASURED]],
+        "passes": PASSES,
         "warmup_requests": 1,
         "warmup_batch": 3,
     }
@@ -175,6 +177,49 @@ def test_bench_report_has_the_vllm_fields(report):
     for name in ("vllm_ngram", "vllm_draftlab"):
         assert len(m[name]["per_position_acceptance"]) == K
     assert len(m["vllm_draftlab_ngram"]["per_position_acceptance"]) == copy
+
+
+@pytest.mark.timeout(180)
+def test_each_pass_has_its_own_figures_and_each_engine_a_kv_cache_sized_for_the_bench(
+    report, target
+):
+    """Per pass: tokens/s over that pass's prompts, and ratios against the same pass's baseline
+    (their spread is the machine's noise). Each engine's KV cache holds max_model_len tokens
+    for each of the 3 requests of the highest load level, over the target's layers and the
+    drafter's, plus a tenth."""
+    m = report["methods"]
+    for name, s in m.items():
+        by_pass = s["tokens_per_s_by_pass"]
+        assert len(by_pass) == PASSES and all(t > 0 for t in by_pass), name
+        assert min(by_pass) <= s["tokens_per_s"] <= max(by_pass), name  # pooled over the passes
+        for base in ("ar", "vllm_ar"):
+            assert s[f"speedup_vs_{base}_by_pass"] == pytest.approx(
+                [t / b for t, b in zip(by_pass, m[base]["tokens_per_s_by_pass"], strict=True)]
+            )
+    assert m["vllm_ar"]["speedup_vs_vllm_ar_by_pass"] == [1.0] * PASSES
+    c = target.model.config
+    per_token = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4  # fp32
+    kv = report["vllm"]["kv_cache_bytes"]
+    for name, layers in [("vllm_ar", 0), ("vllm_ngram", 0), ("vllm_draftlab", 1)]:
+        assert kv[name] == per_token * (c.num_hidden_layers + layers) * 2048 * 3 * 11 // 10, name
+    assert report["vllm"]["side_by_side"] is True
+
+
+@pytest.mark.timeout(180)
+def test_one_engine_at_a_time_runs_each_engine_as_a_block_after_ours(target_dir, in_process):
+    cfg = BenchConfig(
+        target=TargetSpec(name=target_dir, dtype="float32"),
+        drafter=None,
+        limit=2,
+        max_new_tokens=NEW,
+        methods=["ar", "vllm_ngram"],
+        vllm={"side_by_side": False},
+    )
+    report = run_bench(cfg, progress=False)
+    assert report["order"]["groups"] == [["ar"], ["vllm_ar"], ["vllm_ngram"]]
+    assert report["vllm"]["side_by_side"] is False
+    assert report["vllm_ar_matches_ar"] is True and report["vllm_greedy_identical"] is True
+    assert "tokens_per_s_by_pass" not in report["methods"]["vllm_ngram"]  # one pass
 
 
 @pytest.mark.timeout(180)

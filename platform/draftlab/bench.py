@@ -1,14 +1,15 @@
 """`draftlab bench`: target-only vs speculative decoding, side by side.
 
-Every method decodes the same prompts with the same sampling settings. After a warm-up our
-engine's methods are interleaved prompt by prompt, so machine noise hits them alike, and
-every ratio is taken against our own KV-cached target-only loop (`ar`) from the same run.
+Every method decodes the same prompts with the same sampling settings. After a warm-up the
+methods are interleaved prompt by prompt (every method on a prompt, then the next prompt), so
+machine noise hits them alike, and every ratio is taken against our own KV-cached target-only
+loop (`ar`) from the same run, and against vLLM's (`vllm_ar`) when a `vllm_*` method runs.
 
-The `vllm_*` methods cannot be interleaved with ours: each is a vLLM engine, a separate
-process holding the weights and a KV-cache reservation. After our methods, each engine runs
-as one block over all prompts (after the same warm-up), one engine alive at a time and
-closed before the next starts; `vllm_ar` (vLLM target-only) runs first and is the second
-baseline (`speedup_vs_vllm_ar`, `vllm_greedy_identical`). The report's `vllm_order` says so.
+Each `vllm_*` engine is a vLLM engine: its own processes holding the weights and a KV cache.
+By default (`vllm.side_by_side`) every engine starts before the timed loop and joins the
+interleaving beside ours; otherwise each runs as one block after ours, one engine alive at a
+time. The report's `order` says which. `passes` repeats the timed loop and reports each
+pass's ratios: their spread is the noise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from draftlab.bench_report import BenchReport, ContenderInfo, VllmOrder
+from draftlab.bench_report import BenchReport, ContenderInfo, Order
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.agreement import describe_mismatches, greedy_match, mismatches
@@ -242,7 +244,7 @@ def _bench(
     versus: dict[str, Contender],
     work: Path,
 ) -> dict:
-    """Plan, decode (ours interleaved, then vLLM's blocks), summarise, report (module doc)."""
+    """Plan, decode (`_decode`), summarise, report (module doc)."""
     prompts = load_prompts(cfg.prompts, cfg.limit)
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
@@ -266,9 +268,10 @@ def _bench(
     )
     k = (cfg.k or drafter.cfg.k) if methods.mine else cfg.k
     runners = _runners(target, drafter, cfg, params, methods, tree, k, saved)
-    runs = _interleave(runners, methods.interleaved, encoded, cfg.warmup, progress)
-    vllm_runs, vllm_info, load = _run_vllm(vllm_plan, target, cfg, params, encoded, progress)
-    runs |= vllm_runs
+    runs, vllm_info, load, order = _decode(
+        runners, vllm_plan, target, cfg, params, encoded, progress
+    )
+    vllm_runs = [m for e in vllm_plan.values() for m in e["methods"]]
 
     report = BenchReport(
         target=target.name,
@@ -278,7 +281,7 @@ def _bench(
         device=describe_device(target.device),
         prompts=len(prompts),
         max_new_tokens=cfg.max_new_tokens,
-        **_greedy_checks(target, encoded, runs, methods, list(vllm_runs), params.greedy),
+        **_greedy_checks(target, encoded, runs, methods, vllm_runs, params.greedy),
         temperature=cfg.temperature,
         k=k,
         tree=tree.name if tree else None,
@@ -294,17 +297,15 @@ def _bench(
             )
             for name, c in versus.items()
         },
-        vllm_order=VllmOrder(
-            interleaved=methods.interleaved,
-            blocks=list(vllm_runs),
+        order=Order(
+            groups=order,
+            passes=cfg.passes,
             warmup_requests=cfg.warmup,
-            warmup_batch=len(encoded),
-        )
-        if vllm_runs
-        else None,
+            warmup_batch=len(encoded) if vllm_runs else None,
+        ),
         vllm=vllm_info,
         torch=torch.__version__,
-        methods=_summary(runs, params.greedy, bool(vllm_runs)),
+        methods=_summary(runs, params.greedy, bool(vllm_runs), cfg.passes),
         # each vLLM method under load: {method: {level: tokens/s, tau, speedup_vs_vllm_ar}}
         load=add_load_speedups(load) if load else None,
     )
@@ -356,28 +357,33 @@ def _runners(
 
 
 def _interleave(
-    runners: dict[str, Runner], methods: list[str], encoded: list, warmup: int, progress: bool
+    runners: dict[str, Runner], encoded: list, warmup: int, passes: int, bar: tqdm
 ) -> Runs:
-    """The warm-up (untimed: first-call allocations, lazy inits), then every method on each
-    prompt in turn, so machine noise hits them alike."""
+    """The warm-up (untimed: first-call allocations, lazy inits), then `passes` times every
+    method (in `runners`' order) on each prompt in turn, so machine noise hits them alike."""
     for _, ids in encoded[:warmup]:
-        for m in methods:
-            runners[m](ids)
-    runs: Runs = {m: [] for m in methods}
-    bar = tqdm(total=len(encoded) * len(methods), desc="bench", disable=not progress, unit="run")
-    for p, ids in encoded:
-        for m in methods:
-            bar.set_postfix_str(f"{p.category}:{m}")
-            runs[m].append((p.category, runners[m](ids)))
-            bar.update()
-    bar.close()
+        for run in runners.values():
+            run(ids)
+    runs: Runs = {m: [] for m in runners}
+    for _ in range(passes):
+        for p, ids in encoded:
+            for m, run in runners.items():
+                bar.set_postfix_str(f"{p.category}:{m}")
+                runs[m].append((p.category, run(ids)))
+                bar.update()
     return runs
 
 
-def _summary(runs: Runs, greedy: bool, vllm: bool) -> dict[str, dict]:
-    """{method: its figures (`_summarise`), greedy agreement with `ar` and speedups}."""
+def _summary(runs: Runs, greedy: bool, vllm: bool, passes: int) -> dict[str, dict]:
+    """{method: its figures (`_summarise`), greedy agreement with `ar` and speedups; with
+    several passes each pass's tokens/s}."""
     ar_tokens = [r.tokens for _, r in runs["ar"]]
     summary = {m: _summarise(rs) for m, rs in runs.items()}
+    for m, rs in runs.items() if passes > 1 else ():
+        n = len(rs) // passes  # each pass ran every prompt once, passes in order
+        summary[m]["tokens_per_s_by_pass"] = [
+            _tokens_per_s([r for _, r in rs[i * n : (i + 1) * n]]) for i in range(passes)
+        ]
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
         summary[m] |= (
             greedy_match(ar_tokens, [r.tokens for _, r in rs])
@@ -448,21 +454,29 @@ def greedy_mismatches(
     reference: str,
     methods: list[str],
 ) -> list[dict]:
-    """Every (method, prompt) whose greedy output differs from `reference`'s: the prompt's
-    index, the first differing position and the target's margins there."""
+    """Every (method, prompt) whose greedy output differs from `reference`'s in some pass (the
+    first such pass's): the prompt's index, the first differing position and the target's
+    margins there."""
     prompts, ref = [ids for _, ids in encoded], [r.tokens for _, r in runs[reference]]
-    return [
-        {"method": m, **found}
-        for m in methods
-        for found in mismatches(target, prompts, ref, [r.tokens for _, r in runs[m]])
-    ]
+    passes = len(ref) // len(prompts)  # runs hold every pass, in order
+    found: dict[tuple[str, int], dict] = {}
+    for m in methods:
+        for f in mismatches(target, prompts * passes, ref, [r.tokens for _, r in runs[m]]):
+            i = f["prompt"] % len(prompts)
+            found.setdefault((m, i), {"method": m, **f, "prompt": i})
+    return list(found.values())
 
 
 def _add_speedups(summary: dict, base: str) -> None:
-    """`speedup_vs_<base>` for every method, overall and per prompt category."""
+    """`speedup_vs_<base>` for every method, overall, per prompt category and per pass."""
     key, b = f"speedup_vs_{base}", summary[base]
     for s in summary.values():
         s[key] = s["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
+        if "tokens_per_s_by_pass" in s:
+            s[f"{key}_by_pass"] = [
+                x / y if y else 0.0
+                for x, y in zip(s["tokens_per_s_by_pass"], b["tokens_per_s_by_pass"], strict=True)
+            ]
         for cat, c in s["by_category"].items():
             bc = b["by_category"].get(cat, {}).get("tokens_per_s")
             c[key] = c["tokens_per_s"] / bc if bc else 0.0
@@ -477,9 +491,10 @@ def _vllm_plan(
     work: Path,
 ) -> dict[str, dict]:
     """{engine: {"kwargs": its engine's settings ({} = target only), "methods": {method: the
-    per-request `extra_args` it is measured with}}} in run order, `vllm_ar` first; {} without
-    vLLM methods. Checks what would otherwise fail after minutes of decoding: vLLM (and
-    Arctic for suffix) installed, prompts fit `vllm.max_model_len`, the drafter exports."""
+    per-request `extra_args` it is measured with}, "kv_cache_bytes": its KV cache}} in run
+    order, `vllm_ar` first; {} without vLLM methods. Checks what would otherwise fail after
+    minutes of decoding: vLLM (and Arctic for suffix) installed, prompts fit
+    `vllm.max_model_len`, the drafter exports."""
     asked = [m for m in VLLM_METHODS if m in cfg.methods]
     if not asked:
         return {}
@@ -552,6 +567,9 @@ def _vllm_plan(
                 "kwargs": engine_kwargs(cfg.ngram, spec, k),
                 "methods": {"vllm_draftlab_ngram": None},
             }
+    for name, e in plan.items():  # each engine's KV cache, sized for what it decodes here
+        drafted = name.startswith("vllm_draftlab")
+        e["kv_cache_bytes"] = _kv_cache_bytes(target, drafter.cfg.depth if drafted else 0, cfg)
     return plan
 
 
@@ -562,96 +580,115 @@ def _load_prompts_for(encoded: list, level: int, requests: int | None) -> list[l
     return [encoded[i % len(encoded)][1] for i in range(n)]
 
 
-def _run_vllm(
+def _kv_cache_bytes(target: Target, drafter_layers: int, cfg: BenchConfig) -> int:
+    """An engine's KV cache: `vllm.max_model_len` tokens for each request of the highest load
+    level (one without levels) over the target's layers and the drafter's, K and V of every KV
+    head in the target's dtype (vLLM's full-attention layout; the drafter's layers take the
+    target's heads, `export.py`)."""
+    c = target.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    per_token = 2 * kv_heads * head_dim * target.dtype.itemsize  # K and V of one layer
+    tokens = cfg.vllm.max_model_len * max(cfg.concurrency, default=1)
+    # a tenth more: vLLM rounds each request up to whole blocks, and drafts look ahead
+    return per_token * (c.num_hidden_layers + drafter_layers) * tokens * 11 // 10
+
+
+def _groups(plan: dict, side_by_side: bool) -> list[list[str]]:
+    """The vLLM engines alive together, in run order; ours join the first group: every engine
+    beside ours, else ours alone and then one engine at a time."""
+    return [list(plan)] if side_by_side else [[], *([name] for name in plan)]
+
+
+def _vllm_runner(llm: VllmEngine, params: SamplingParams, extra: dict | None) -> Runner:
+    """One prompt decoded by one of an engine's methods (`extra`: its per-request settings)."""
+
+    def run(ids: list[int]) -> Run:
+        r = llm.generate(
+            ids, params.max_new_tokens, params.temperature, params.top_p, params.seed, extra
+        )
+        if extra and REQUEST_K in extra:  # the engine counts all its slots; this verifies k
+            r.spec.accepted_per_position = r.spec.accepted_per_position[: extra[REQUEST_K]]
+        # target forwards after the prefill: each yields 1 + its accepted drafts
+        return Run(r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec)
+
+    return run
+
+
+def _decode(
+    ours: dict[str, Runner],
     plan: dict,
     target: Target,
     cfg: BenchConfig,
     params: SamplingParams,
     encoded: list,
     progress: bool,
-) -> tuple[dict[str, list[tuple[str, Run]]], dict | None, dict]:
-    """Each planned engine as one block, one alive at a time: after the warm-up its methods
-    interleaved prompt by prompt over all prompts, then each load level (`cfg.concurrency`)
-    for each of its finalists (`_finalist`, or all with `cfg.load_all`). Returns the runs,
-    the engines' info and {method: {level: load}}."""
-    if not plan:
-        return {}, None, {}
-
-    model_dir = vllm_target_dir(target)
-    runs: dict[str, list[tuple[str, Run]]] = {}
+) -> tuple[Runs, dict | None, dict, list[list[str]]]:
+    """Every method's runs, group by group (`_groups`): its engines started and warmed up, its
+    methods (ours in the first group) interleaved prompt by prompt for `cfg.passes` passes,
+    then each load level (`cfg.concurrency`) for its engines' finalists, the engines closed.
+    Returns the runs, the engines' info (None without vLLM methods), {method: {level: load}}
+    and each group's methods in their order on a prompt."""
+    levels = [(c, _load_prompts_for(encoded, c, cfg.load_requests)) for c in cfg.concurrency]
+    vllm_methods = sum(len(e["methods"]) for e in plan.values())
+    bar = tqdm(
+        total=(len(ours) + vllm_methods) * len(encoded) * cfg.passes
+        + vllm_methods * sum(len(ps) for _, ps in _timed_levels(levels, cfg)),
+        desc="bench",
+        disable=not progress,
+        unit="run",
+    )
+    model_dir = vllm_target_dir(target) if plan else None
+    runs: Runs = {}
     load: dict[str, dict[str, dict]] = {}
     startup: dict[str, float] = {}
-    methods = sum(len(e["methods"]) for e in plan.values())
-    levels = [(c, _load_prompts_for(encoded, c, cfg.load_requests)) for c in cfg.concurrency]
-    timed = sum(len(ps) for c, ps in levels if c > 1 or cfg.load_requests is not None)
-    bar = tqdm(
-        total=methods * (len(encoded) + timed), desc="bench vllm", disable=not progress, unit="req"
-    )
-    for name, engine in plan.items():
-        bar.set_postfix_str(f"{name}: starting engine")
-        with VllmEngine(
-            model_dir,
-            dtype=target.dtype,
-            max_model_len=cfg.vllm.max_model_len,
-            memory_fraction=cfg.vllm.memory_fraction,
-            env=cfg.vllm.env,
-            enforce_eager=cfg.vllm.enforce_eager,
-            memory_setting="vllm.memory_fraction (--vllm-memory-fraction)",
-            seed=cfg.seed,
-            **engine["kwargs"],
-        ) as llm:
-            startup[name] = llm.startup_s
-
-            def run(ids: list[int], extra: dict | None) -> Run:
-                r = llm.generate(
-                    ids,
+    order: list[list[str]] = []
+    for i, names in enumerate(_groups(plan, cfg.vllm.side_by_side)):
+        with ExitStack() as alive:
+            runners, engines = dict(ours) if i == 0 else {}, []
+            for name in names:
+                bar.set_postfix_str(f"{name}: starting engine")
+                llm = alive.enter_context(
+                    VllmEngine(
+                        model_dir,
+                        dtype=target.dtype,
+                        max_model_len=cfg.vllm.max_model_len,
+                        memory_fraction=cfg.vllm.memory_fraction / len(names),
+                        kv_cache_bytes=plan[name]["kv_cache_bytes"],
+                        env=cfg.vllm.env,
+                        enforce_eager=cfg.vllm.enforce_eager,
+                        memory_setting="vllm.max_model_len, concurrency or vllm.side_by_side",
+                        seed=cfg.seed,
+                        **plan[name]["kwargs"],
+                    )
+                )
+                startup[name], methods = llm.startup_s, plan[name]["methods"]
+                engines.append((llm, methods))
+                runners |= {m: _vllm_runner(llm, params, x) for m, x in methods.items()}
+            for llm, methods in engines:
+                # every prompt once, all in flight: an engine's first steps of each new shape run
+                # slower (a cold first prompt runs much slower), whichever method comes first
+                bar.set_postfix_str("vLLM warm-up")
+                llm.generate_closed_loop(
+                    [ids for _, ids in encoded],
+                    len(encoded),
                     params.max_new_tokens,
-                    params.temperature,
-                    params.top_p,
-                    params.seed,  # noqa: B023
-                    extra_args=extra,
+                    temperature=params.temperature,
+                    extra_args=next(iter(methods.values())),
                 )
-                if (
-                    extra and REQUEST_K in extra
-                ):  # the engine counts all its slots; this method verifies k of them
-                    r.spec.accepted_per_position = r.spec.accepted_per_position[: extra[REQUEST_K]]
-                # target forwards after the prefill: each yields 1 + its accepted drafts
-                return Run(
-                    r.tokens, r.seconds, max(len(r.tokens) - 1 - r.spec.accepted, 0), spec=r.spec
-                )
-
-            for _, ids in encoded[: cfg.warmup]:
-                for extra in engine["methods"].values():
-                    run(ids, extra)
-            # and every prompt once, all in flight: an engine's first steps of each new shape run
-            # slower (a cold first prompt runs much slower), whichever method comes first
-            bar.set_postfix_str(f"{name}: warm-up")
-            llm.generate_closed_loop(
-                [ids for _, ids in encoded],
-                len(encoded),
-                params.max_new_tokens,
-                temperature=params.temperature,
-                extra_args=next(iter(engine["methods"].values())),
-            )
-            for m in engine["methods"]:
-                runs[m] = []
-            for p, ids in encoded:
-                for m, extra in engine["methods"].items():
-                    bar.set_postfix_str(f"{p.category}:{m}")
-                    runs[m].append((p.category, run(ids, extra)))
-                    bar.update()
-            finalists = {m for m in engine["methods"] if cfg.load_all or _finalist(runs, m)}
-            bar.total -= (len(engine["methods"]) - len(finalists)) * timed
-            load |= _load_levels(
-                llm, engine["methods"], finalists, runs, levels, cfg, params.temperature, bar
-            )
+            runs |= _interleave(runners, encoded, cfg.warmup, cfg.passes, bar)
+            order.append(list(runners))
+            load |= _load_levels(engines, runs, levels, cfg, params.temperature, bar)
     bar.close()
+    if not plan:
+        return runs, None, load, order
     info = {
         "version": require_vllm(),
         "target_dir": model_dir,
         "dtype": str(target.dtype).removeprefix("torch."),
         **cfg.vllm.model_dump(),
         "startup_s": startup,
+        "kv_cache_bytes": {name: e["kv_cache_bytes"] for name, e in plan.items()},
         "engines": {name: list(e["methods"]) for name, e in plan.items()},
         "speculative_config": {
             name: e["kwargs"].get("speculative_config") for name, e in plan.items()
@@ -662,15 +699,22 @@ def _run_vllm(
             if "additional_config" in e["kwargs"]
         },
     }
-    return runs, info, load
+    return runs, info, load, order
+
+
+def _tokens_per_s(runs: list[Run]) -> float:
+    """Output tokens over decoding seconds."""
+    secs = sum(r.seconds for r in runs)
+    return sum(len(r.tokens) for r in runs) / secs if secs else 0.0
 
 
 def _level_one(runs: list[tuple[str, Run]]) -> dict:
-    """Load level 1 of a method: its one-at-a-time runs (every prompt once, one in flight)."""
+    """Load level 1 of a method: its one-at-a-time runs (every prompt once a pass, one in
+    flight)."""
     done = [r for _, r in runs]
     secs, spec = sum(r.seconds for r in done), sum((r.spec for r in done), SpecCounters())
     return {
-        "tokens_per_s": sum(len(r.tokens) for r in done) / secs,
+        "tokens_per_s": _tokens_per_s(done),
         "tau": spec.tau,
         "requests": len(done),
         "seconds": secs,
@@ -686,24 +730,32 @@ def _finalist(runs: dict[str, list[tuple[str, Run]]], method: str) -> bool:
     )
 
 
+def _timed_levels(levels: list, cfg: BenchConfig) -> list:
+    """The load levels decoded again; level 1 with the default request count is the
+    one-at-a-time runs already made (every prompt once a pass, one in flight)."""
+    return [(c, ps) for c, ps in levels if c > 1 or cfg.load_requests is not None]
+
+
 def _load_levels(
-    llm: VllmEngine,
-    methods: dict[str, dict | None],
-    finalists: set[str],
-    runs: dict,
+    engines: list[tuple[VllmEngine, dict[str, dict | None]]],
+    runs: Runs,
     levels: list,
     cfg: BenchConfig,
     temperature: float,
     bar: tqdm,
 ) -> dict[str, dict[str, dict]]:
-    """{method: {level: tokens/s, tau, requests, seconds}} of one engine's methods, closed loop
-    at each load level, the finalists only. Level 1 with the default request count is the
-    one-at-a-time runs already made (every prompt once, one in flight): taken from `runs`, for
-    every method, not run again."""
+    """{method: {level: tokens/s, tau, requests, seconds}} of the engines' methods, closed loop
+    at each load level in turn (every engine's finalists at one level, then the next): level 1
+    of every method from `runs` (`_timed_levels`), the others for the finalists only
+    (`_finalist`, or all with `cfg.load_all`)."""
+    methods = {m: (llm, extra) for llm, ms in engines for m, extra in ms.items()}
+    finalists = {m for m in methods if cfg.load_all or _finalist(runs, m)}
+    timed = _timed_levels(levels, cfg)
+    bar.total -= (len(methods) - len(finalists)) * sum(len(ps) for _, ps in timed)
     out: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for c, prompts in levels:
-        for m, extra in methods.items():
-            if c == 1 and cfg.load_requests is None:
+        for m, (llm, extra) in methods.items():
+            if c not in {t for t, _ in timed}:
                 out[m]["1"] = _level_one(runs[m])
                 continue
             if m not in finalists:
@@ -729,12 +781,17 @@ def render_table(report: dict) -> str:
     cols = ("method", "tokens/s", "tau", "speedup vs ar", "greedy match (prompts/tokens)")
     for col in cols + (("speedup vs vllm_ar",) if vllm else ()):
         table.add_column(col, justify="right" if col != "method" else "left")
+
+    def ratio(s: dict, key: str) -> str:  # with several passes, the passes' range after it
+        passes = s.get(f"{key}_by_pass")
+        return f"{s[key]:.2f}x" + (f" ({min(passes):.2f}-{max(passes):.2f})" if passes else "")
+
     for m, s in report["methods"].items():
-        extra = (f"{s['speedup_vs_vllm_ar']:.2f}x",) if vllm else ()
+        extra = (ratio(s, "speedup_vs_vllm_ar"),) if vllm else ()
         match = "n/a"
         if s.get("greedy_match_rate") is not None:
             match = f"{s['greedy_match_rate']:.0%} / {s['greedy_token_match_rate']:.1%}"
-        speed = (f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", f"{s['speedup_vs_ar']:.2f}x")
+        speed = (f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", ratio(s, "speedup_vs_ar"))
         table.add_row(m, *speed, match, *extra)
     console = Console(record=True, width=100)
     with console.capture() as cap:
@@ -764,9 +821,14 @@ def render_table(report: dict) -> str:
             vident = report["vllm_greedy_identical"] if report["vllm_greedy_checked"] else "n/a"
             console.print(
                 f"vllm_greedy_identical: {vident}   vllm_ar_matches_ar: "
-                f"{report['vllm_ar_matches_ar']}   vLLM engines ran after ours, one block each: "
-                f"{', '.join(report['vllm_order']['blocks'])}"
+                f"{report['vllm_ar_matches_ar']}"
             )
+        groups = report["order"]["groups"]
+        console.print(
+            f"{report['order']['passes']} pass(es), every method on each prompt in turn"
+            + (f", in {len(groups)} groups one after another: " if len(groups) > 1 else "")
+            + "; ".join(", ".join(g) for g in groups if len(groups) > 1)
+        )
         if load := report.get("load"):
             console.print(load_table(load))
         if v := report.get("verdict"):

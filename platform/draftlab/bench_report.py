@@ -5,7 +5,7 @@
         by_category: {category: CategorySummary}
       greedy_mismatches, vllm_greedy_mismatches: [Mismatch]
       drafter_head_coverage: HeadCoverage;  versus: {path: ContenderInfo}
-      vllm_order: VllmOrder;  vllm: VllmInfo;  load: {method: {level: LoadLevel}}
+      order: Order;  vllm: VllmInfo;  load: {method: {level: LoadLevel}}
       verdict: Verdict                  only with vLLM methods
 
 `run_bench` validates the report through these models and returns it dumped (a plain dict
@@ -79,6 +79,12 @@ class MethodSummary(StrictModel):
     """`tokens_per_s` over `ar`'s (our engine's KV-cached target-only loop, same run)."""
     speedup_vs_vllm_ar: float | None = Field(None, exclude_if=unset)
     """`tokens_per_s` over `vllm_ar`'s (vLLM target-only); left out when None (no vLLM methods)."""
+    tokens_per_s_by_pass: list[float] | None = Field(None, exclude_if=unset)
+    """Each timed pass's `tokens_per_s`; left out with one pass (`BenchConfig.passes`)."""
+    speedup_vs_ar_by_pass: list[float] | None = Field(None, exclude_if=unset)
+    """Each pass's `speedup_vs_ar`, against `ar` in the same pass; left out with one pass."""
+    speedup_vs_vllm_ar_by_pass: list[float] | None = Field(None, exclude_if=unset)
+    """Each pass's `speedup_vs_vllm_ar`; left out with one pass or without vLLM methods."""
 
 
 class Mismatch(StrictModel):
@@ -124,18 +130,20 @@ class ContenderInfo(StrictModel):
     """Its parameter count."""
 
 
-class VllmOrder(StrictModel):
-    """How the methods were run: ours interleaved prompt by prompt, then each vLLM engine as one
-    block (a vLLM engine cannot be interleaved with ours)."""
+class Order(StrictModel):
+    """How the methods took turns (`draftlab.bench`'s module doc)."""
 
-    interleaved: list[str]
-    """Our engine's and HF's methods, in their order on each prompt."""
-    blocks: list[str]
-    """The vLLM methods in run order, `vllm_ar` first."""
+    groups: list[list[str]]
+    """The methods in run order, one list per group run prompt by prompt (every method of the
+    group on a prompt, then the next prompt): one group with every vLLM engine beside ours
+    (`vllm.side_by_side`), else ours, then each vLLM engine's methods alone."""
+    passes: int
+    """Timed passes over the prompts (`BenchConfig.passes`)."""
     warmup_requests: int
-    """Untimed warm-up prompts before each block (and before the interleaved methods)."""
-    warmup_batch: int
-    """Then, before each vLLM block, every prompt once with all of them in flight, untimed."""
+    """Untimed warm-up prompts per method before timing."""
+    warmup_batch: int | None = Field(None, exclude_if=unset)
+    """Before those, every prompt once with all of them in flight on each vLLM engine, untimed;
+    left out without vLLM methods."""
 
 
 class VllmInfo(StrictModel):
@@ -148,6 +156,8 @@ class VllmInfo(StrictModel):
     """What vLLM loaded as the target (an HF directory or hub id)."""
     dtype: str
     """The engines' dtype (`float32`, `bfloat16`, ...)."""
+    side_by_side: bool
+    """`VllmBenchSpec.side_by_side` as benched."""
     memory_fraction: float
     """`VllmBenchSpec.memory_fraction` as benched."""
     enforce_eager: bool
@@ -168,6 +178,8 @@ class VllmInfo(StrictModel):
     """`VllmBenchSpec.suffix_draft_lengths` as benched."""
     startup_s: dict[str, float]
     """Seconds each engine took to start."""
+    kv_cache_bytes: dict[str, int]
+    """Each engine's KV cache (vLLM's `kv_cache_memory_bytes`)."""
     engines: dict[str, list[str]]
     """The methods each engine measured (`vllm_draftlab` and `vllm_suffix` also `<engine>@k<n>`)."""
     speculative_config: dict[str, dict[str, Any] | None]
@@ -272,8 +284,8 @@ class BenchReport(StrictModel):
     """Greedy: where vLLM methods with speculation first leave `vllm_ar`'s output."""
     vllm_ar_matches_ar: bool
     """Greedy: `vllm_ar`'s outputs equal `ar`'s (False when not run or sampling)."""
-    vllm_order: VllmOrder | None
-    """How ours and the vLLM engines were ordered; None without vLLM methods."""
+    order: Order
+    """How the methods took turns: the groups, passes and warm-up."""
     vllm: VllmInfo | None
     """The vLLM engines' version and settings; None without vLLM methods."""
     torch: str

@@ -288,6 +288,7 @@ def _bench(a: argparse.Namespace) -> None:
         top_p=a.top_p,
         seed=a.seed,
         warmup=a.warmup,
+        passes=a.passes,
         methods=a.methods,
         json_out=a.json_out,
         ngram=NgramSpec(
@@ -299,6 +300,7 @@ def _bench(a: argparse.Namespace) -> None:
             extend=a.ngram_extend,
         ),
         vllm=VllmBenchSpec(
+            side_by_side=not a.vllm_one_at_a_time,
             memory_fraction=a.vllm_memory_fraction,
             enforce_eager=not a.vllm_compile,
             draft_lengths=a.vllm_draft_lengths,

@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="sampling seed")
     b.add_argument("--warmup", type=int, default=1, help="untimed prompts per method")
     b.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="timed passes over the prompts; with 2 or more the table shows each ratio's range "
+        "over the passes (the machine's noise)",
+    )
+    b.add_argument(
         "--methods",
         type=_csv,
         default=",".join(METHODS),
@@ -237,12 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     b.add_argument(
+        "--vllm-one-at-a-time",
+        action="store_true",
+        help="vllm_*: run each vLLM engine alone after ours, one block each (less memory: a large "
+        "target on one GPU); by default every engine starts at once and takes its turn on each "
+        "prompt beside ours",
+    )
+    b.add_argument(
         "--vllm-memory-fraction",
         type=float,
         default=VllmBenchSpec().memory_fraction,
         help=(
-            "vllm_*: share of the node's RAM (CPU) or GPU memory each vLLM engine reserves for "
-            "weights + KV cache"
+            "vllm_*: GPU memory share of the vLLM engines together, split among those alive at "
+            "once (the bench sizes each KV cache itself; the CPU backend needs no share)"
         ),
     )
     b.add_argument(

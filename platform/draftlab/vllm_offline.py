@@ -7,14 +7,18 @@ side), or writing many requests together (`data.generator: vllm`, self-distillat
         outs = llm.generate_many(prompts, max_new_tokens=96)   # new token ids per prompt
 
 vLLM is imported inside functions only: it takes seconds to import and is an optional
-dependency (`require_vllm` names the extra). An engine is a separate process holding its
-weights and a KV-cache reservation, so callers keep one alive at a time and close it before
-starting the next. Scripts that start one need `if __name__ == "__main__":` (vLLM spawns).
+dependency (`require_vllm` names the extra). An engine is separate processes holding its
+weights and a KV-cache reservation: callers that keep several alive at once (`draftlab
+bench`'s side-by-side engines) size each one's KV cache (`kv_cache_bytes`). Scripts that
+start one need `if __name__ == "__main__":` (vLLM spawns).
 
-Speculative counters come from vLLM's own Prometheus metrics (`LLM.get_metrics()`, which
-needs `disable_log_stats=False`): the delta around a request is that request's, because
-requests run one at a time. tau = 1 + accepted / drafts (vLLM's mean acceptance length,
-bonus token included; a draft = one verification round that had draft tokens).
+Speculative counters come from each engine's scheduler statistics (`disable_log_stats=False`),
+summed by a stat logger of the engine's own (`_spec_logger`), not read from vLLM's Prometheus
+registry: that is one per process, and each new engine's logger unregisters the last one's,
+so engines alive side by side would read one another's counters. The delta around a request
+is that request's, because requests run one at a time. tau = 1 + accepted / drafts (vLLM's
+mean acceptance length, bonus token included; a draft = one verification round that had draft
+tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,11 +64,6 @@ CPU_ENV_DEFAULTS = {
 }
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-_DRAFTS = "vllm:spec_decode_num_drafts"
-_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def require_vllm() -> str:
@@ -143,19 +143,30 @@ class VllmLoad:
         return sum(map(len, self.tokens)) / self.seconds if self.seconds else 0.0
 
 
-def read_counters(metrics: list) -> SpecCounters:
-    """Sum the spec-decode counters of a `LLM.get_metrics()` snapshot over engines."""
-    out = SpecCounters()
-    for m in metrics:
-        if m.name == _DRAFTS:
-            out += SpecCounters(drafts=m.value)
-        elif m.name == _DRAFT_TOKENS:
-            out += SpecCounters(draft_tokens=m.value)
-        elif m.name == _ACCEPTED:
-            out += SpecCounters(accepted=m.value)
-        elif m.name == _PER_POS:  # a Vector: one counter per draft position
-            out += SpecCounters(accepted_per_position=list(m.values))
-    return out
+def _spec_logger(add: Callable[[SpecCounters], None]):
+    """A vLLM stat logger that hands `add` each engine step's speculative counters."""
+    from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: PLC0415 -- vLLM, optional
+
+    class SpecLogger(StatLoggerBase):
+        def __init__(self):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            s = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if s is not None:
+                add(
+                    SpecCounters(
+                        s.num_drafts,
+                        s.num_draft_tokens,
+                        s.num_accepted_tokens,
+                        list(s.num_accepted_tokens_per_pos),
+                    )
+                )
+
+        def log_engine_initialized(self):
+            pass
+
+    return SpecLogger()
 
 
 class VllmEngine:
@@ -170,8 +181,11 @@ class VllmEngine:
     processes). `max_num_seqs` caps the requests decoded together (None = vLLM's default);
     `reserved_cpus` is how many cores the CPU backend keeps off its worker (None = vLLM's
     default, 1: right for one request at a time, 0 for batches, see `CPU_ENV_DEFAULTS`).
-    `memory_setting` names the caller's setting behind `memory_fraction` in the error a
-    failed start-up raises (most often: too little memory left for the KV cache).
+    `kv_cache_bytes` sizes the KV cache itself (vLLM's `kv_cache_memory_bytes`: the share
+    then no longer sizes it, and on the CPU backend the KV cache no longer shrinks by what
+    this process already holds, so engines can live side by side in one process).
+    `memory_setting` names the caller's settings behind the memory in the error a failed
+    start-up raises (most often: too little memory left for the KV cache).
     `env`: environment variables set while the engine lives (e.g. `VLLM_CPU_OMP_THREADS_BIND`
     as a server deploys it); unlike the defaults above they win over the caller's environment.
     `whole_prefills` schedules every prompt's prefill in one step (no chunked prefill): on
@@ -187,6 +201,7 @@ class VllmEngine:
         dtype: torch.dtype | str = torch.bfloat16,
         max_model_len: int = 2048,
         memory_fraction: float = 0.2,
+        kv_cache_bytes: int | None = None,
         enforce_eager: bool = True,
         speculative_config: dict | None = None,
         scheduler_cls: str | None = None,
@@ -209,9 +224,10 @@ class VllmEngine:
                 enforce_eager=enforce_eager,
                 speculative_config=speculative_config,
                 seed=seed,
-                disable_log_stats=False,  # the Prometheus counters we read need stats on
+                disable_log_stats=False,  # the scheduler statistics we count need stats on
             )
             | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {})
+            | ({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {})
             | (
                 {
                     "enable_chunked_prefill": False,
@@ -236,6 +252,7 @@ class VllmEngine:
         self.memory_setting = memory_setting
         self.llm = None
         self.startup_s = 0.0
+        self.spec = SpecCounters()  # this engine's speculative counters since it started
 
     def __enter__(self) -> VllmEngine:
         require_vllm()
@@ -250,14 +267,22 @@ class VllmEngine:
         t0 = time.perf_counter()
         try:
             self.llm = LLM(**self.kwargs)
+            # `LLM` takes no stat loggers; its engine's manager calls each of its loggers with
+            # every step's scheduler statistics
+            self.llm.llm_engine.logger_manager.stat_loggers.append(_spec_logger(self._count))
         except Exception as e:
             self._restore()
-            fraction = self.kwargs["gpu_memory_utilization"]
+            kv = self.kwargs.get("kv_cache_memory_bytes")
+            now = (
+                f"its KV cache: {kv / 2**30:.2f} GiB"
+                if kv
+                else f"now {self.kwargs['gpu_memory_utilization']}: the share of the node's RAM "
+                "for weights + KV cache; a float32 target or a drafter needs more"
+            )
             raise DraftlabError(
                 f"vLLM did not start on {self.model_dir}: {e}\nIf its log above says the KV cache "
-                "does not fit ('KV cache is needed' / 'No available memory'), raise "
-                f"{self.memory_setting} (now {fraction}: the share of the node's RAM for weights + "
-                "KV cache; a float32 target or a drafter needs more) or lower max_model_len."
+                "does not fit ('KV cache is needed' / 'No available memory' / 'less than requested "
+                f"memory for kv'), change {self.memory_setting} ({now}) or lower max_model_len."
             ) from e
         except BaseException:
             self._restore()
@@ -267,6 +292,9 @@ class VllmEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _count(self, step: SpecCounters) -> None:
+        self.spec = self.spec + step
 
     def generate(
         self,
@@ -281,7 +309,7 @@ class VllmEngine:
         speculative counters; stops at EOS. `extra_args`: vLLM's per-request `extra_args`
         (e.g. `draftlab.vllm_scheduler.REQUEST_K`)."""
         self._check("generate")
-        before = read_counters(self.llm.get_metrics())
+        before = self.spec
         t0 = time.perf_counter()
         (tokens,) = self.generate_many(
             [prompt],
@@ -292,7 +320,7 @@ class VllmEngine:
             extra_args=extra_args,
         )
         seconds = time.perf_counter() - t0
-        spec = read_counters(self.llm.get_metrics()) - before
+        spec = self.spec - before
         return VllmRun(tokens, seconds, spec)
 
     def generate_many(
@@ -342,7 +370,7 @@ class VllmEngine:
         engine, todo = self.llm.llm_engine, list(enumerate(prompts))[::-1]
         params = self._params(max_new_tokens, temperature, 1.0, None, None, extra_args)
         tokens: list[list[int]] = [[] for _ in prompts]
-        before = read_counters(self.llm.get_metrics())
+        before = self.spec
         t0 = time.perf_counter()
         in_flight = 0
         while todo or in_flight:
@@ -357,9 +385,7 @@ class VllmEngine:
                     tokens[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
                     in_flight -= 1
         seconds = time.perf_counter() - t0
-        return VllmLoad(
-            tokens, seconds, read_counters(self.llm.get_metrics()) - before, concurrency
-        )
+        return VllmLoad(tokens, seconds, self.spec - before, concurrency)
 
     def _check(self, what: str) -> None:
         if self.llm is None:

@@ -16,12 +16,18 @@ from draftlab.models.shapes import SHAPES
 class VllmBenchSpec(StrictModel):
     """The vLLM engines of `draftlab bench`'s `vllm_*` methods (one engine per method)."""
 
+    side_by_side: bool = True
+    """Start every engine at once and decode each prompt with every method in turn, ours and
+    vLLM's alike, so machine noise lands on every ratio alike (engines run one after another
+    measured the same drafter 0.1-0.4x apart on this machine's CPUs). Each engine holds its
+    weights and a KV cache of `max_model_len` tokens per request of the highest load level,
+    all at once. False: one engine at a time after ours, each as one block (less memory: a
+    large target on one GPU)."""
     memory_fraction: float = Field(0.3, gt=0.0, le=0.95)
-    """vLLM's `gpu_memory_utilization`; on the CPU backend the fraction of the NUMA node's RAM
-    reserved for weights + KV cache (start-up fails when less is free). Too small a share
-    leaves less KV cache than `max_model_len` tokens need, and vLLM refuses to start; a
-    float32 target (CPUs without bf16 support) with its drafter needs a larger share than a
-    bf16 one."""
+    """The device memory share of the engines together (vLLM's `gpu_memory_utilization`,
+    split evenly among the engines alive at once). The KV cache is sized by the bench itself
+    (`side_by_side`), so on the CPU backend vLLM does not use this share; on GPUs it caps
+    each engine's weights + activations + KV cache."""
     enforce_eager: bool = True
     """Skip vLLM's torch.compile warm-up: each engine starts much sooner (vLLM 0.29's
     compile cache fails to reload with torch 2.13, so every compiled start compiles) and
@@ -108,6 +114,10 @@ class BenchConfig(StrictModel):
     """Seed for sampling and for `init:` drafter weights."""
     warmup: int = Field(1, ge=0)
     """Untimed prompts run per method before timing."""
+    passes: int = Field(1, ge=1)
+    """Timed passes over the prompts, every method on each prompt in turn each pass; with 2 or
+    more the report adds each pass's tokens/s and speedups (`*_by_pass`): the spread of a ratio
+    is the machine's noise."""
     methods: list[
         Literal[
             "ar",
