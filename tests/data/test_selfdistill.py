@@ -699,6 +699,24 @@ def test_sampled_responses_are_reused_only_from_shards_of_the_same_size(data_cfg
     assert cache._best_donor(root, greedy, "fp", shard_size=4) is None  # other key inputs
 
 
+def test_a_cached_mix_is_no_donor_and_no_obstacle(data_cfg, tmp_path):
+    """A mix's dataset in the cache (its source a list) is skipped when a single source looks
+    for a donor, beside a donor of the same stream."""
+    data = data_cfg.model_copy(update={"cache_dir": str(tmp_path)})
+    small = data.model_copy(update={"source": data.source.model_copy(update={"num_prompts": 8})})
+    one = data.source.model_dump(exclude={"num_prompts"}) | {"weight": 1}
+    mix = type(data).model_validate(
+        data.model_dump() | {"num_prompts": 8, "source": [one, one | {"seed": 1}]}
+    )
+    for name, d in [("mix", mix), ("donor", small)]:
+        meta = {"key": name, "inputs": key_inputs(d, "fp"), "num_prompts": 8, "shard_size": 4}
+        (tmp_path / name / "dataset").mkdir(parents=True)
+        (tmp_path / name / "dataset" / "meta.json").write_text(json.dumps(meta))
+    assert isinstance(key_inputs(mix, "fp")["source"], list)
+    found = cache._best_donor(cache_path(data, "fp"), data, "fp", shard_size=4)
+    assert found[0] == tmp_path / "donor" / "dataset"
+
+
 @pytest.mark.slow
 def test_resume_regenerates_only_missing_shards(generated, data_cfg, tiny, tmp_path, caplog):
     # A copy of the finished key dir, as a job killed after shards 0 and 2 would leave it.

@@ -246,7 +246,11 @@ def _prompt_inputs(data: DataConfig, source: PromptSourceConfig, target_fingerpr
     return inputs
 
 
-def _without_count(source: dict) -> dict:
+def _without_count(source: dict | list) -> dict | list:
+    """A source's key inputs less `num_prompts`; a mix's list as it is (never a prefix of
+    another stream)."""
+    if isinstance(source, list):
+        return source
     return {name: value for name, value in source.items() if name != "num_prompts"}
 
 
