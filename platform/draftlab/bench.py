@@ -657,7 +657,7 @@ def _decode(
                         kv_cache_bytes=plan[name]["kv_cache_bytes"],
                         env=cfg.vllm.env,
                         enforce_eager=cfg.vllm.enforce_eager,
-                        memory_setting="vllm.max_model_len, concurrency or vllm.side_by_side",
+                        memory_setting="vllm.side_by_side, vllm.memory_fraction (GPU), concurrency",
                         seed=cfg.seed,
                         **plan[name]["kwargs"],
                     )
