@@ -267,9 +267,6 @@ class VllmEngine:
         t0 = time.perf_counter()
         try:
             self.llm = LLM(**self.kwargs)
-            # `LLM` takes no stat loggers; its engine's manager calls each of its loggers with
-            # every step's scheduler statistics
-            self.llm.llm_engine.logger_manager.stat_loggers.append(_spec_logger(self._count))
         except Exception as e:
             self._restore()
             kv = self.kwargs.get("kv_cache_memory_bytes")
@@ -288,6 +285,9 @@ class VllmEngine:
             self._restore()
             raise
         self.startup_s = time.perf_counter() - t0
+        # `LLM` takes no stat loggers; its engine's manager calls each of its loggers with
+        # every step's scheduler statistics
+        self.llm.llm_engine.logger_manager.stat_loggers.append(_spec_logger(self._count))
         return self
 
     def __exit__(self, *exc) -> None:
