@@ -379,11 +379,12 @@ def _summary(runs: Runs, greedy: bool, vllm: bool, passes: int) -> dict[str, dic
     several passes each pass's tokens/s}."""
     ar_tokens = [r.tokens for _, r in runs["ar"]]
     summary = {m: _summarise(rs) for m, rs in runs.items()}
-    for m, rs in runs.items() if passes > 1 else ():
-        n = len(rs) // passes  # each pass ran every prompt once, passes in order
-        summary[m]["tokens_per_s_by_pass"] = [
-            _tokens_per_s([r for _, r in rs[i * n : (i + 1) * n]]) for i in range(passes)
-        ]
+    if passes > 1:
+        for m, rs in runs.items():
+            n = len(rs) // passes  # each pass ran every prompt once, passes in order
+            summary[m]["tokens_per_s_by_pass"] = [
+                _tokens_per_s([r for _, r in rs[i * n : (i + 1) * n]]) for i in range(passes)
+            ]
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
         summary[m] |= (
             greedy_match(ar_tokens, [r.tokens for _, r in rs])
@@ -752,10 +753,11 @@ def _load_levels(
     finalists = {m for m in methods if cfg.load_all or _finalist(runs, m)}
     timed = _timed_levels(levels, cfg)
     bar.total -= (len(methods) - len(finalists)) * sum(len(ps) for _, ps in timed)
+    decoded = {c for c, _ in timed}
     out: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for c, prompts in levels:
         for m, (llm, extra) in methods.items():
-            if c not in {t for t, _ in timed}:
+            if c not in decoded:
                 out[m]["1"] = _level_one(runs[m])
                 continue
             if m not in finalists:
