@@ -556,6 +556,43 @@ def test_greedy_mismatches_name_method_prompt_position_and_margins(tiny, tiny_pr
     ]
 
 
+def test_each_prompt_starts_one_method_further_and_each_kind_has_its_passes():
+    """`_interleave` rotates the methods' order prompt by prompt over the whole run (none
+    always first or always after the same one); `_summary` gives each kind's passes."""
+    from tqdm import tqdm
+
+    from draftlab.bench import Run, _interleave, _summary
+    from draftlab.data.prompts import Prompt
+
+    calls: list[tuple[str, int]] = []
+
+    def runner(name: str, seconds: float):
+        def run(ids):
+            calls.append((name, ids[0]))
+            return Run([1, 2], seconds, 1)
+
+        return run
+
+    runners = {m: runner(m, s) for m, s in (("ar", 1.0), ("fast", 0.5), ("slow", 2.0))}
+    encoded = [(Prompt(str(i), "t", kind), [i]) for i, kind in enumerate(["a", "b", "a", "b"])]
+    with tqdm(disable=True) as bar:
+        runs = _interleave(runners, encoded, 1, 2, bar)
+    timed = calls[3:]  # after the warm-up: the first prompt by every method
+    assert calls[:3] == [("ar", 0), ("fast", 0), ("slow", 0)]
+    orders = [[m for m, _ in timed[i : i + 3]] for i in range(0, len(timed), 3)]
+    first, second, third = ["ar", "fast", "slow"], ["fast", "slow", "ar"], ["slow", "ar", "fast"]
+    # the second pass carries on the rotation
+    assert orders == [first, second, third, first, second, third, first, second]
+    assert [ids for _, ids in timed[::3]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert all(len(rs) == 8 for rs in runs.values())
+    summary = _summary(runs, greedy=False, vllm=False, passes=2)
+    for kind in ("a", "b"):
+        c = summary["fast"]["by_category"][kind]
+        assert c["tokens_per_s_by_pass"] == [4.0, 4.0]  # 2 prompts x 2 tokens in 2 x 0.5 s
+        assert c["speedup_vs_ar_by_pass"] == [2.0, 2.0]
+        assert summary["slow"]["by_category"][kind]["speedup_vs_ar_by_pass"] == [0.5, 0.5]
+
+
 def test_packaged_prompt_sets_by_name():
     from draftlab.data.prompts import available_prompt_sets, load_prompts
 

@@ -183,10 +183,10 @@ def test_bench_report_has_the_vllm_fields(report):
 def test_each_pass_has_its_own_figures_and_each_engine_a_kv_cache_sized_for_the_bench(
     report, target
 ):
-    """Per pass: tokens/s over that pass's prompts, and ratios against the same pass's baseline
-    (their spread is the machine's noise). Each engine's KV cache holds max_model_len tokens
-    for each of the 3 requests of the highest load level, over the target's layers and the
-    drafter's, plus a tenth."""
+    """Per pass, overall and per prompt kind: tokens/s over that pass's prompts, and ratios
+    against the same pass's baseline (their spread is the machine's noise). Each engine's KV
+    cache holds max_model_len tokens for each of the 3 requests of the highest load level, over
+    the target's layers and the drafter's, plus a tenth."""
     m = report["methods"]
     for name, s in m.items():
         by_pass = s["tokens_per_s_by_pass"]
@@ -196,6 +196,16 @@ def test_each_pass_has_its_own_figures_and_each_engine_a_kv_cache_sized_for_the_
             assert s[f"speedup_vs_{base}_by_pass"] == pytest.approx(
                 [t / b for t, b in zip(by_pass, m[base]["tokens_per_s_by_pass"], strict=True)]
             )
+        assert s["by_category"]
+        for cat, c in s["by_category"].items():  # each kind's passes too, against its baseline's
+            kind_pass = c["tokens_per_s_by_pass"]
+            assert len(kind_pass) == PASSES, (name, cat)
+            assert min(kind_pass) <= c["tokens_per_s"] <= max(kind_pass), (name, cat)
+            for base in ("ar", "vllm_ar"):
+                base_pass = m[base]["by_category"][cat]["tokens_per_s_by_pass"]
+                assert c[f"speedup_vs_{base}_by_pass"] == pytest.approx(
+                    [t / b for t, b in zip(kind_pass, base_pass, strict=True)]
+                )
     assert m["vllm_ar"]["speedup_vs_vllm_ar_by_pass"] == [1.0] * PASSES
     c = target.model.config
     per_token = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4  # fp32
@@ -203,6 +213,22 @@ def test_each_pass_has_its_own_figures_and_each_engine_a_kv_cache_sized_for_the_
     for name, layers in [("vllm_ar", 0), ("vllm_ngram", 0), ("vllm_draftlab", 1)]:
         assert kv[name] == per_token * (c.num_hidden_layers + layers) * 2048 * 3 * 11 // 10, name
     assert report["vllm"]["side_by_side"] is True
+
+
+def test_the_reports_verdict_gives_each_kinds_range_over_the_passes(report, tmp_path):
+    """report.html's per-kind table: each contender's speedup and its passes' range."""
+    from draftlab.report import _verdict
+
+    blocks = _verdict(report, tmp_path)
+    ((_, header, rows),) = [b for b in blocks if b[0] == "table" and b[1][0] == "kind"]
+    contenders = [m for m in report["methods"] if m.startswith("vllm_")]
+    assert list(header[1:]) == [m.removeprefix("vllm_") for m in contenders]
+    assert [r[0] for r in rows] == sorted(report["methods"]["vllm_ar"]["by_category"])
+    for kind, *cells in rows:
+        for m, cell in zip(contenders, cells, strict=True):
+            c = report["methods"][m]["by_category"][kind]
+            lo, hi = min(c["speedup_vs_vllm_ar_by_pass"]), max(c["speedup_vs_vllm_ar_by_pass"])
+            assert cell == f"{c['speedup_vs_vllm_ar']:.2f}x ({lo:.2f}-{hi:.2f})", (kind, m)
 
 
 @pytest.mark.timeout(180)

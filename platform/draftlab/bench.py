@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from draftlab.bench_report import BenchReport, ContenderInfo, Order
+from draftlab.bench_report import BenchReport, ContenderInfo, Order, speedup_text
 from draftlab.config import BenchConfig, ConfigError, SamplingParams
 from draftlab.data.prompts import load_prompts
 from draftlab.decoding.agreement import describe_mismatches, greedy_match, mismatches
@@ -360,17 +360,19 @@ def _interleave(
     runners: dict[str, Runner], encoded: list, warmup: int, passes: int, bar: tqdm
 ) -> Runs:
     """The warm-up (untimed: first-call allocations, lazy inits), then `passes` times every
-    method (in `runners`' order) on each prompt in turn, so machine noise hits them alike."""
+    method on each prompt in turn, so machine noise hits them alike. Each prompt starts one
+    method further along `runners`' order (prompt i of the whole run: methods i, i + 1, ...),
+    so no method always runs first, or always right after the same one."""
     for _, ids in encoded[:warmup]:
         for run in runners.values():
             run(ids)
     runs: Runs = {m: [] for m in runners}
-    for _ in range(passes):
-        for p, ids in encoded:
-            for m, run in runners.items():
-                bar.set_postfix_str(f"{p.category}:{m}")
-                runs[m].append((p.category, run(ids)))
-                bar.update()
+    names = list(runners)
+    for i, (p, ids) in enumerate(encoded * passes):
+        for m in names[i % len(names) :] + names[: i % len(names)]:
+            bar.set_postfix_str(f"{p.category}:{m}")
+            runs[m].append((p.category, runners[m](ids)))
+            bar.update()
     return runs
 
 
@@ -382,9 +384,12 @@ def _summary(runs: Runs, greedy: bool, vllm: bool, passes: int) -> dict[str, dic
     if passes > 1:
         for m, rs in runs.items():
             n = len(rs) // passes  # each pass ran every prompt once, passes in order
-            summary[m]["tokens_per_s_by_pass"] = [
-                _tokens_per_s([r for _, r in rs[i * n : (i + 1) * n]]) for i in range(passes)
-            ]
+            by_pass = [rs[i * n : (i + 1) * n] for i in range(passes)]
+            summary[m]["tokens_per_s_by_pass"] = [_tokens_per_s([r for _, r in p]) for p in by_pass]
+            for cat, c in summary[m]["by_category"].items():  # a kind's few prompts move more
+                c["tokens_per_s_by_pass"] = [
+                    _tokens_per_s([r for k, r in p if k == cat]) for p in by_pass
+                ]
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
         summary[m] |= (
             greedy_match(ar_tokens, [r.tokens for _, r in rs])
@@ -471,16 +476,19 @@ def greedy_mismatches(
 def _add_speedups(summary: dict, base: str) -> None:
     """`speedup_vs_<base>` for every method, overall, per prompt category and per pass."""
     key, b = f"speedup_vs_{base}", summary[base]
-    for s in summary.values():
-        s[key] = s["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else 0.0
-        if "tokens_per_s_by_pass" in s:
+
+    def ratios(s: dict, b: dict) -> None:  # s's tokens/s (and each pass's) over b's
+        s[key] = s["tokens_per_s"] / b["tokens_per_s"] if b.get("tokens_per_s") else 0.0
+        if "tokens_per_s_by_pass" in s and "tokens_per_s_by_pass" in b:
             s[f"{key}_by_pass"] = [
                 x / y if y else 0.0
                 for x, y in zip(s["tokens_per_s_by_pass"], b["tokens_per_s_by_pass"], strict=True)
             ]
+
+    for s in summary.values():
+        ratios(s, b)
         for cat, c in s["by_category"].items():
-            bc = b["by_category"].get(cat, {}).get("tokens_per_s")
-            c[key] = c["tokens_per_s"] / bc if bc else 0.0
+            ratios(c, b["by_category"].get(cat, {}))
 
 
 def _vllm_plan(
@@ -784,16 +792,12 @@ def render_table(report: dict) -> str:
     for col in cols + (("speedup vs vllm_ar",) if vllm else ()):
         table.add_column(col, justify="right" if col != "method" else "left")
 
-    def ratio(s: dict, key: str) -> str:  # with several passes, the passes' range after it
-        passes = s.get(f"{key}_by_pass")
-        return f"{s[key]:.2f}x" + (f" ({min(passes):.2f}-{max(passes):.2f})" if passes else "")
-
     for m, s in report["methods"].items():
-        extra = (ratio(s, "speedup_vs_vllm_ar"),) if vllm else ()
+        extra = (speedup_text(s, "speedup_vs_vllm_ar"),) if vllm else ()
         match = "n/a"
         if s.get("greedy_match_rate") is not None:
             match = f"{s['greedy_match_rate']:.0%} / {s['greedy_token_match_rate']:.1%}"
-        speed = (f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", ratio(s, "speedup_vs_ar"))
+        speed = (f"{s['tokens_per_s']:.2f}", f"{s['tau']:.2f}", speedup_text(s, "speedup_vs_ar"))
         table.add_row(m, *speed, match, *extra)
     console = Console(record=True, width=100)
     with console.capture() as cap:

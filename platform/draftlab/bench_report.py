@@ -25,8 +25,21 @@ from pydantic import Field
 from draftlab.config.base import StrictModel, unset
 
 
-class CategorySummary(StrictModel):
-    """One prompt category's figures of a method (`methods.<method>.by_category.<category>`)."""
+class ByPass(StrictModel):
+    """Each timed pass's figures (`BenchConfig.passes`), all left out with one pass."""
+
+    tokens_per_s_by_pass: list[float] | None = Field(None, exclude_if=unset)
+    """Each timed pass's `tokens_per_s`; left out with one pass."""
+    speedup_vs_ar_by_pass: list[float] | None = Field(None, exclude_if=unset)
+    """Each pass's `speedup_vs_ar`, against `ar` in the same pass; left out with one pass."""
+    speedup_vs_vllm_ar_by_pass: list[float] | None = Field(None, exclude_if=unset)
+    """Each pass's `speedup_vs_vllm_ar`; left out with one pass or without vLLM methods."""
+
+
+class CategorySummary(ByPass):
+    """One prompt category's figures of a method (`methods.<method>.by_category.<category>`);
+    with several passes each pass's figures too, which on a kind's few prompts spread wider
+    than over all prompts."""
 
     tokens_per_s: float
     """Output tokens per second over the category's prompts."""
@@ -41,7 +54,7 @@ class CategorySummary(StrictModel):
     methods)."""
 
 
-class MethodSummary(StrictModel):
+class MethodSummary(ByPass):
     """One method's figures over all prompts (`methods.<method>`)."""
 
     tokens_per_s: float
@@ -79,12 +92,6 @@ class MethodSummary(StrictModel):
     """`tokens_per_s` over `ar`'s (our engine's KV-cached target-only loop, same run)."""
     speedup_vs_vllm_ar: float | None = Field(None, exclude_if=unset)
     """`tokens_per_s` over `vllm_ar`'s (vLLM target-only); left out when None (no vLLM methods)."""
-    tokens_per_s_by_pass: list[float] | None = Field(None, exclude_if=unset)
-    """Each timed pass's `tokens_per_s`; left out with one pass (`BenchConfig.passes`)."""
-    speedup_vs_ar_by_pass: list[float] | None = Field(None, exclude_if=unset)
-    """Each pass's `speedup_vs_ar`, against `ar` in the same pass; left out with one pass."""
-    speedup_vs_vllm_ar_by_pass: list[float] | None = Field(None, exclude_if=unset)
-    """Each pass's `speedup_vs_vllm_ar`; left out with one pass or without vLLM methods."""
 
 
 class Mismatch(StrictModel):
@@ -297,3 +304,12 @@ class BenchReport(StrictModel):
     methods."""
     verdict: Verdict | None = Field(None, exclude_if=unset)
     """What to deploy; present only with vLLM methods."""
+
+
+def speedup_text(figures: dict, key: str) -> str | None:
+    """A report's `figures[key]` speedup as text, with its passes' range after it where the bench
+    ran several (`<key>_by_pass`); None when the figure is absent."""
+    if figures.get(key) is None:
+        return None
+    passes = figures.get(f"{key}_by_pass")
+    return f"{figures[key]:.2f}x" + (f" ({min(passes):.2f}-{max(passes):.2f})" if passes else "")

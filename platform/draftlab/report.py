@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftlab.bench_report import speedup_text
 from draftlab.sweep.report import figure, finish, write_plots
 from draftlab.tracking import Tracker
 
@@ -253,14 +254,18 @@ def _verdict(bench: dict, plots: Path) -> list[tuple]:
         [
             cat,
             *(
-                _speedup(methods[m]["by_category"].get(cat, {}).get("speedup_vs_vllm_ar"), 1.0)
+                speedup_text(methods[m]["by_category"].get(cat, {}), "speedup_vs_vllm_ar")
                 for m in contenders
             ),
         ]
         for cat in kinds
     ]
     blocks += [
-        ("p", "Per prompt kind, one request at a time, against vllm_ar:"),
+        (
+            "p",
+            "Per prompt kind, one request at a time, against vllm_ar (with several passes, "
+            "their range in brackets: a kind's few prompts spread wider than all of them):",
+        ),
         ("table", ("kind", *(m.removeprefix("vllm_") for m in contenders)), rows),
     ]
     if len(levels) > 1:
