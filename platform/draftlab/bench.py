@@ -386,10 +386,9 @@ def _summary(runs: Runs, greedy: bool, vllm: bool, passes: int) -> dict[str, dic
             n = len(rs) // passes  # each pass ran every prompt once, passes in order
             by_pass = [rs[i * n : (i + 1) * n] for i in range(passes)]
             summary[m]["tokens_per_s_by_pass"] = [_tokens_per_s([r for _, r in p]) for p in by_pass]
-            for cat, c in summary[m]["by_category"].items():  # a kind's few prompts move more
-                c["tokens_per_s_by_pass"] = [
-                    _tokens_per_s([r for k, r in p if k == cat]) for p in by_pass
-                ]
+            kinds = [_by_category(p) for p in by_pass]  # a kind's few prompts move more
+            for cat, c in summary[m]["by_category"].items():
+                c["tokens_per_s_by_pass"] = [_tokens_per_s(k.get(cat, [])) for k in kinds]
     for m, rs in runs.items():  # greedy: how much of `ar`'s output each method reproduces
         summary[m] |= (
             greedy_match(ar_tokens, [r.tokens for _, r in rs])
