@@ -67,7 +67,9 @@ def test_every_stage_runs_for_real(first, mlflow_uri):
     champ = s["champion"]
     mv = client.get_model_version_by_alias(champ["model"], "champion")
     assert (str(mv.version), mv.run_id) == (champ["version"], champ["run_id"])
-    assert champ["source"] in ("baseline", "sweep")
+    # the sweep's best replaces the baseline only past sweep.tie (5%) faster
+    base, best = s["baseline"]["speedup_vs_ar"], s["sweep"]["best"]["speedup_vs_ar"]
+    assert champ["source"] == ("sweep" if best > base * 1.05 else "baseline")
     # the distillation and the sweep are nested under the pipeline's parent run
     parent = s["mlflow_run_id"]
     nested = {

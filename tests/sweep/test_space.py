@@ -179,6 +179,23 @@ def test_speeds_within_the_tie_go_to_the_higher_tau():
     assert fastest([baseline | {"speedup_vs_ar": None}, trial], 0.05) is trial
 
 
+def test_a_challenger_replaces_the_incumbent_only_past_the_tie():
+    """The README pipeline once promoted its sweep's 1-minute depth-2 trial (a 4-node tree, tau
+    1.71) over the 4-minute baseline (1 node + lookups, tau 1.60) that measured faster, 1.480x
+    against 1.453x ar: on the higher tau within the tie. In vLLM the baseline then ran 1.11x
+    target-only alone, the promoted trial 1.04x. At promotion no tau decides."""
+    from draftlab.sweep.runner import champion
+
+    baseline = {"source": "baseline", "speedup_vs_ar": 1.480, "tau": 1.60}
+    trial = {"source": "sweep", "speedup_vs_ar": 1.453, "tau": 1.71}
+    assert champion(baseline, trial, 0.05) is baseline
+    assert champion(baseline, trial | {"speedup_vs_ar": 1.54}, 0.05) is baseline  # within 5%
+    assert champion(baseline, trial | {"speedup_vs_ar": 1.56}, 0.05)["source"] == "sweep"
+    assert champion(baseline, trial | {"speedup_vs_ar": 1.49}, 0.0)["source"] == "sweep"
+    assert champion(baseline | {"speedup_vs_ar": None}, trial, 0.05) is trial
+    assert champion(baseline, trial | {"speedup_vs_ar": None}, 0.05) is baseline
+
+
 def test_unfinished_trials_say_why_an_asha_stop_from_an_interruption(tmp_path):
     """ASHA stops only trials that reported a training step; a sweep stopped (Ctrl-C) before a
     trial's first report leaves it `interrupted`, not `stopped (ASHA)`."""

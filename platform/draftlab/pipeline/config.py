@@ -35,8 +35,10 @@ class SweepStage(StrictModel):
     max_failures: int = Field(1, ge=-1)
     """Retries of a crashed trial."""
     tie: float = Field(0.05, ge=0, lt=1)
-    """Speedups within this fraction of the fastest are a tie, broken by the higher tau: among
-    the trials, and at promotion between the sweep's best and the baseline (SweepConfig.tie)."""
+    """Among the trials, speedups within this fraction of the fastest are a tie, broken by the
+    higher tau (SweepConfig.tie); at promotion the sweep's best replaces the baseline only
+    where it measured more than this fraction faster (no tau decides between them: a wider
+    tree or a deeper drafter has more tau and costs more a round)."""
 
 
 VLLM_CONTENDERS = ["vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_draftlab", "vllm_draftlab_ngram"]

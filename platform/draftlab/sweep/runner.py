@@ -434,6 +434,17 @@ def fastest(rows: list[dict], tie: float) -> dict:
     return max(near, key=lambda r: (r.get("tau") or 0.0, r["speedup_vs_ar"] or 0.0))
 
 
+def champion(incumbent: dict, challenger: dict, tie: float) -> dict:
+    """The challenger where it measured more than `tie` (a fraction) faster than the incumbent
+    (or the incumbent has no measurement), else the incumbent. No tau decides here: the taus
+    of different trees and drafter depths do not rank their speeds (a wider tree verifies more
+    tokens a round at a higher cost; vLLM serves a deeper drafter's chain at its own cost)."""
+    new, old = challenger["speedup_vs_ar"], incumbent["speedup_vs_ar"]
+    if new is None:
+        return incumbent
+    return challenger if old is None or new > old * (1 + tie) else incumbent
+
+
 def format_table(summary: dict) -> str:
     """The results as a fixed-width table (best first)."""
     cols = (
