@@ -124,20 +124,17 @@ def promote(run: PipelineRun) -> dict:
     """The baseline becomes @champion unless the sweep's best measured more than `sweep.tie`
     faster (`champion`): a 1-minute trial within a short bench's noise of the 4-minute
     baseline does not replace it."""
-    base, *challengers = candidates(run)
+    base, *sweep = candidates(run)
+    challenger = sweep[0] if sweep else base  # no sweep: the baseline against itself
     tie = run.p.sweep.tie if run.p.sweep else 0.0
-    best = champion(base, challengers[0], tie) if challengers else base
+    best = champion(base, challenger, tie)
     promoted = promote_run(
         best["mlflow_run_id"], registered_name(run.p.distill), tracking_uri=run.tracking_uri
     )
     out = best | promoted | {"model_uri": f"models:/{promoted['model']}@{promoted['alias']}"}
-    if (
-        best is base
-        and challengers
-        and (challengers[0]["speedup_vs_ar"] or 0.0) > (base["speedup_vs_ar"] or 0.0)
-    ):
+    if best is base and (challenger["speedup_vs_ar"] or 0.0) > (base["speedup_vs_ar"] or 0.0):
         out["reason"] = (
-            f"the sweep's best measured {challengers[0]['speedup_vs_ar']:.3f}x ar against the "
+            f"the sweep's best measured {challenger['speedup_vs_ar']:.3f}x ar against the "
             f"baseline's {base['speedup_vs_ar']:.3f}x, within sweep.tie ({tie:.0%}): the "
             "baseline stays"
         )
